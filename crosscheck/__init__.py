@@ -1,0 +1,49 @@
+"""crosscheck: does a loss weight tokens the way it should under data parallelism?
+
+The framework-neutral side of gradweight: the normalization contract (schemes), fixtures and
+layouts, the float64 oracle with its update math, comparison, and the command line. The JAX
+and torch implementations live in `jax_impl` and `torch_impl` and are imported only when run.
+"""
+
+from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture, random_fixture
+from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, tree_rel_err
+from crosscheck.fixtures import Fixture, FixtureError
+from crosscheck.layout import IGNORE_INDEX, LaidOutBatch, Layout, Microbatch
+from crosscheck.optimizers import AdamWConfig, SGDConfig, clip_by_global_norm, train
+from crosscheck.oracle import OracleResult, loss_and_grad
+from crosscheck.schemes import (
+    ACCIDENTAL_SCHEMES,
+    INTENDED_SCHEMES,
+    SCHEMES,
+    Scheme,
+    effective_weights,
+    get_scheme,
+)
+
+__all__ = [
+    "ACCIDENTAL_SCHEMES",
+    "BUILTIN_FIXTURES",
+    "FLOAT32_RTOL",
+    "FLOAT64_RTOL",
+    "IGNORE_INDEX",
+    "INTENDED_SCHEMES",
+    "SCHEMES",
+    "AdamWConfig",
+    "Fixture",
+    "FixtureError",
+    "LaidOutBatch",
+    "Layout",
+    "Microbatch",
+    "OracleResult",
+    "SGDConfig",
+    "Scheme",
+    "assert_tree_close",
+    "builtin_fixture",
+    "clip_by_global_norm",
+    "effective_weights",
+    "get_scheme",
+    "loss_and_grad",
+    "random_fixture",
+    "train",
+    "tree_rel_err",
+]

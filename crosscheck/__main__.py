@@ -1,0 +1,7 @@
+"""`python -m crosscheck`."""
+
+import sys
+
+from crosscheck.cli import main
+
+sys.exit(main())

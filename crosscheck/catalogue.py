@@ -1,0 +1,264 @@
+"""The built-in fixtures, each setting one trap, and a seeded generator of random ones.
+
+Every fixture uses the same bilinear model (vocabulary V = 40, hidden H = 12 unless stated):
+V != H so a transposed parameter cannot pass for the right one, and 2 V H = 960 parameters
+leave the per-group gradient contributions linearly independent for diagnosis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import numpy as np
+
+from crosscheck.fixtures import Fixture
+from crosscheck.layout import IGNORE_INDEX
+
+VOCAB_SIZE = 40
+HIDDEN_SIZE = 12
+
+
+def init_params(
+    rng: np.random.Generator, vocab_size: int = VOCAB_SIZE, hidden_size: int = HIDDEN_SIZE
+) -> dict[str, np.ndarray]:
+    """float64 params with logits of order 1: embed ~ N(0, 1), unembed ~ N(0, 1/H)."""
+    return {
+        "embed": rng.standard_normal((vocab_size, hidden_size)),
+        "unembed": rng.standard_normal((hidden_size, vocab_size)) / np.sqrt(hidden_size),
+    }
+
+
+class _RowWriter:
+    """Fills [N, T] batch arrays one language-model document at a time."""
+
+    def __init__(
+        self,
+        rng: np.random.Generator,
+        num_rows: int,
+        seq_len: int,
+        vocab: int,
+        text_vocab: int | None = None,
+    ):
+        # Document tokens are drawn from [0, text_vocab); ids above are reserved (placeholders).
+        self.rng, self.vocab = rng, vocab
+        self.text_vocab = vocab if text_vocab is None else text_vocab
+        self.inputs = np.zeros((num_rows, seq_len), dtype=np.int32)
+        self.targets = np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int32)
+        self.segment_ids = np.zeros((num_rows, seq_len), dtype=np.int32)
+        self.weights = np.ones((num_rows, seq_len), dtype=np.float64)
+
+    def document(
+        self, row: int, start: int, length: int, segment: int, num_ignored: int = 0
+    ) -> None:
+        """A document of `length` tokens at [start, start+length) with next-token targets.
+
+        Its last target would predict the next document's first token across the packing
+        boundary, so it is ignored; so are the first `num_ignored` targets (a prompt).
+        """
+        tokens = self.rng.integers(0, self.text_vocab, size=length + 1)
+        span = slice(start, start + length)
+        self.inputs[row, span] = tokens[:-1]
+        self.targets[row, span] = tokens[1:]
+        self.targets[row, start + length - 1] = IGNORE_INDEX
+        self.targets[row, start : start + min(num_ignored, length)] = IGNORE_INDEX
+        self.segment_ids[row, span] = segment
+
+    def build(self, name: str, description: str, rng: np.random.Generator) -> Fixture:
+        return Fixture(
+            name=name,
+            description=description,
+            inputs=self.inputs,
+            targets=self.targets,
+            segment_ids=self.segment_ids,
+            weights=self.weights,
+            **init_params(rng, self.vocab, HIDDEN_SIZE),
+        )
+
+
+def seed_fixture() -> Fixture:
+    """Two rows (one per rank at layout (2, 1)) with exactly 100 and 900 valid targets."""
+    rng = np.random.default_rng(100900)
+    writer = _RowWriter(rng, 2, 1000, VOCAB_SIZE)
+    # `document` ignores the last target of a span, so a span of n + 1 holds n valid targets.
+    writer.document(0, 0, 101, segment=1)
+    writer.document(1, 0, 901, segment=1)
+    return writer.build(
+        "seed",
+        "ranks with 100 vs 900 valid tokens: a per-rank mean weighs a short-rank token 9x",
+        rng,
+    )
+
+
+def packed_fixture() -> Fixture:
+    """Rows packing 2-5 documents each, boundary targets ignored, padding at the end."""
+    rng = np.random.default_rng(2)
+    num_rows, seq_len = 8, 64
+    writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE)
+    for row in range(num_rows):
+        num_docs = int(rng.integers(2, 6))
+        lengths = rng.integers(3, 18, size=num_docs)
+        start = 0
+        for segment, length in enumerate(lengths, start=1):
+            length = int(min(length, seq_len - start))
+            if length < 2:
+                break
+            writer.document(row, start, length, segment)
+            start += length
+    return writer.build(
+        "packed",
+        "packed documents: a per-row mean is not a per-document mean, and the target "
+        "crossing each document boundary must be ignored",
+        rng,
+    )
+
+
+def ragged_fixture() -> Fixture:
+    """144 rows (layouts R, M in 1..4) whose lengths and prompt spans vary block by block."""
+    rng = np.random.default_rng(3)
+    num_rows, seq_len = 144, 24
+    writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE)
+    # 16 blocks of 9 rows = the microbatches of the finest layout (4, 4); each block draws its
+    # own typical length so that counts differ widely between ranks and microbatches.
+    block_scale = rng.choice([2, 4, 8, 16, 24], size=16)
+    for row in range(num_rows):
+        scale = int(block_scale[row // 9])
+        length = int(rng.integers(max(2, scale // 2), scale + 1))
+        prompt = int(rng.integers(0, length)) if rng.random() < 0.6 else 0
+        writer.document(row, 0, length, segment=1, num_ignored=prompt)
+    return writer.build(
+        "ragged",
+        "row lengths and ignored prompt spans that differ widely between ranks and "
+        "microbatches of every layout up to (4, 4)",
+        rng,
+    )
+
+
+def empty_rank_fixture() -> Fixture:
+    """Rows 4..7 attend to tokens but carry no loss: at R = 2 (or 4) whole ranks are empty."""
+    rng = np.random.default_rng(4)
+    num_rows, seq_len = 8, 32
+    writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE)
+    for row in range(num_rows):
+        length = int(rng.integers(6, seq_len + 1))
+        prompt = length if row >= 4 else int(rng.integers(0, 4))
+        writer.document(row, 0, length, segment=1, num_ignored=prompt)
+    return writer.build(
+        "empty-rank",
+        "the second half of the batch has no valid target: a rank with zero tokens must add "
+        "nothing, not NaN (0/0)",
+        rng,
+    )
+
+
+IMAGE_TOKEN = VOCAB_SIZE - 1
+"""Input id of a multimodal placeholder (image patch) token in the `multimodal` fixture."""
+
+
+def multimodal_fixture() -> Fixture:
+    """Prompt, a long image-placeholder span, then answer text; only the answer has a loss."""
+    rng = np.random.default_rng(5)
+    num_rows, seq_len = 8, 64
+    writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE, text_vocab=IMAGE_TOKEN)
+    for row in range(num_rows):
+        prompt = int(rng.integers(2, 6))
+        image = int(rng.integers(8, 44))
+        answer = int(rng.integers(2, seq_len - prompt - image + 1))
+        length = prompt + image + answer
+        writer.document(row, 0, length, segment=1, num_ignored=prompt + image)
+        writer.inputs[row, prompt : prompt + image] = IMAGE_TOKEN
+    return writer.build(
+        "multimodal",
+        "long image-placeholder spans are attended but carry no loss: counting attended "
+        "tokens instead of targets shrinks the gradient",
+        rng,
+    )
+
+
+def soft_weights_fixture() -> Fixture:
+    """Fractional per-token weights in [0, 3], zero on some valid tokens, nonzero on ignored."""
+    rng = np.random.default_rng(6)
+    num_rows, seq_len = 8, 32
+    writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE)
+    for row in range(num_rows):
+        length = int(rng.integers(4, seq_len + 1))
+        writer.document(row, 0, length, segment=1, num_ignored=int(rng.integers(0, 3)))
+    weights = rng.uniform(0.05, 3.0, size=(num_rows, seq_len))
+    weights[rng.random((num_rows, seq_len)) < 0.1] = 0.0
+    # Ignored tokens keep their nonzero weights on purpose: w_t v_t must still drop them.
+    writer.weights = weights
+    return writer.build(
+        "soft-weights",
+        "fractional per-token weights (some zero on valid tokens, nonzero on ignored ones): "
+        "the denominator is the weight sum over valid tokens, not a count",
+        rng,
+    )
+
+
+BUILTIN_FIXTURES: dict[str, Callable[[], Fixture]] = {
+    "seed": seed_fixture,
+    "packed": packed_fixture,
+    "ragged": ragged_fixture,
+    "empty-rank": empty_rank_fixture,
+    "multimodal": multimodal_fixture,
+    "soft-weights": soft_weights_fixture,
+}
+
+
+@cache
+def builtin_fixture(name: str) -> Fixture:
+    """A built-in fixture by name (built once; fixtures are read-only)."""
+    try:
+        builder = BUILTIN_FIXTURES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown fixture {name!r}; built-in fixtures: {', '.join(BUILTIN_FIXTURES)}"
+        ) from None
+    return builder()
+
+
+def random_fixture(
+    seed: int,
+    num_rows: int,
+    seq_len: int,
+    *,
+    vocab_size: int = 16,
+    hidden_size: int = 6,
+    max_segments: int = 3,
+    ignore_fraction: float = 0.3,
+    empty_row_fraction: float = 0.15,
+    soft_weights: bool = True,
+) -> Fixture:
+    """A reproducible random fixture of any shape, for property tests.
+
+    Rows pack up to `max_segments` documents followed by padding; a fraction of rows has no
+    valid target at all, and every other target is ignored with probability
+    `ignore_fraction`. Soft weights, when asked for, are uniform in [0, 2] with some zeros.
+    """
+    if num_rows < 1 or seq_len < 1:
+        raise ValueError(f"random_fixture needs num_rows, seq_len >= 1, got {num_rows}, {seq_len}")
+    rng = np.random.default_rng(seed)
+    writer = _RowWriter(rng, num_rows, seq_len, vocab_size)
+    for row in range(num_rows):
+        start = 0
+        for segment in range(1, int(rng.integers(1, max_segments + 1)) + 1):
+            if seq_len - start < 1:
+                break
+            length = int(rng.integers(1, seq_len - start + 1))
+            writer.document(row, start, length, segment)
+            start += length
+        if rng.random() < empty_row_fraction:
+            writer.targets[row] = IGNORE_INDEX
+    writer.targets[rng.random((num_rows, seq_len)) < ignore_fraction] = IGNORE_INDEX
+    if soft_weights:
+        writer.weights = rng.uniform(0.0, 2.0, size=(num_rows, seq_len))
+        writer.weights[rng.random((num_rows, seq_len)) < 0.1] = 0.0
+    return Fixture(
+        name=f"random-{seed}-{num_rows}x{seq_len}",
+        description="seeded random batch for property tests",
+        inputs=writer.inputs,
+        targets=writer.targets,
+        segment_ids=writer.segment_ids,
+        weights=writer.weights,
+        **init_params(rng, vocab_size, hidden_size),
+    )

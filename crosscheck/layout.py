@@ -1,0 +1,117 @@
+"""How one global batch is laid out over R ranks and M accumulation microbatches.
+
+A layout (R, M) splits the N rows of a global batch contiguously: rank r gets rows
+[r N/R, (r+1) N/R), and those are split again into M equal microbatches. That is exactly a
+reshape of the row axis from N to (R, M, B) with B = N / (R M), so every [N, T] array of a
+fixture becomes [R, M, B, T] and the global token order is preserved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+IGNORE_INDEX = -100
+"""Target value that marks a token without a loss (the torch / Hugging Face convention)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """R ranks (data-parallel world size) times M accumulation microbatches per update."""
+
+    world_size: int
+    accum_steps: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.accum_steps < 1:
+            raise ValueError(
+                f"layout needs world_size >= 1 and accum_steps >= 1, "
+                f"got world_size={self.world_size}, accum_steps={self.accum_steps}"
+            )
+
+    @property
+    def num_microbatches(self) -> int:
+        """R * M: microbatches in one optimizer update, over all ranks."""
+        return self.world_size * self.accum_steps
+
+    def rows_per_microbatch(self, num_rows: int) -> int:
+        """B = N / (R M); raises when N is not divisible by R M."""
+        if num_rows % self.num_microbatches:
+            raise ValueError(
+                f"a global batch of {num_rows} rows cannot be laid out over "
+                f"world_size={self.world_size} x accum_steps={self.accum_steps}: "
+                f"{num_rows} is not divisible by {self.num_microbatches}"
+            )
+        return num_rows // self.num_microbatches
+
+    def __str__(self) -> str:
+        return f"R={self.world_size},M={self.accum_steps}"
+
+
+class Microbatch(NamedTuple):
+    """One microbatch of one rank: each array is [B, T]."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    segment_ids: np.ndarray
+    weights: np.ndarray
+
+    @property
+    def valid(self) -> np.ndarray:
+        """v_t: 1 where the target carries a loss, 0 where it is IGNORE_INDEX."""
+        return self.targets != IGNORE_INDEX
+
+
+class LaidOutBatch(NamedTuple):
+    """A global batch reshaped to [R, M, B, T] per array, with its layout."""
+
+    layout: Layout
+    inputs: np.ndarray
+    targets: np.ndarray
+    segment_ids: np.ndarray
+    weights: np.ndarray
+
+    def microbatch(self, rank: int, step: int) -> Microbatch:
+        """The microbatch that rank `rank` processes at accumulation step `step`."""
+        return Microbatch(
+            self.inputs[rank, step],
+            self.targets[rank, step],
+            self.segment_ids[rank, step],
+            self.weights[rank, step],
+        )
+
+    def microbatches(self) -> list[tuple[int, int, Microbatch]]:
+        """Every (rank, step, microbatch) of the update, rank-major."""
+        R, M = self.layout.world_size, self.layout.accum_steps
+        return [(r, m, self.microbatch(r, m)) for r in range(R) for m in range(M)]
+
+    @property
+    def valid(self) -> np.ndarray:
+        return self.targets != IGNORE_INDEX
+
+    def to_global(self, per_token: np.ndarray) -> np.ndarray:
+        """Reshape a [R, M, B, T] per-token array back to the global [N, T] order."""
+        R, M, B, T = per_token.shape
+        return per_token.reshape(R * M * B, T)
+
+
+def lay_out(
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    segment_ids: np.ndarray,
+    weights: np.ndarray,
+    layout: Layout,
+) -> LaidOutBatch:
+    """Split [N, T] arrays contiguously into [R, M, B, T] (no copy)."""
+    N, T = targets.shape
+    B = layout.rows_per_microbatch(N)
+    shape = (layout.world_size, layout.accum_steps, B, T)
+    return LaidOutBatch(
+        layout,
+        inputs.reshape(shape),
+        targets.reshape(shape),
+        segment_ids.reshape(shape),
+        weights.reshape(shape),
+    )

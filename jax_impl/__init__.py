@@ -1,0 +1,1 @@
+"""JAX/Flax reference implementation of the normalization contract."""

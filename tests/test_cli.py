@@ -1,0 +1,82 @@
+"""`python -m crosscheck run`: exit status, filters and the JSON contract."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from crosscheck.cli import main
+
+RESULT_KEYS = {
+    "fixture",
+    "scheme",
+    "impl",
+    "strategy",
+    "world_size",
+    "accum_steps",
+    "max_rel_err",
+    "ok",
+}
+
+
+def test_run_writes_the_documented_json_and_exits_zero(tmp_path):
+    out = tmp_path / "out.json"
+    completed = subprocess.run(
+        [sys.executable, "-m", "crosscheck", "run", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "9.0x" in completed.stdout
+    payload = json.loads(out.read_text())
+    assert payload["ok"] is True
+    assert len(payload["results"]) > 100
+    for row in payload["results"]:
+        assert set(row) >= RESULT_KEYS
+        assert isinstance(row["max_rel_err"], float) and row["ok"] is True
+    intended = [r for r in payload["results"] if r["scheme"] == "token_mean"]
+    assert max(r["max_rel_err"] for r in intended) <= 1e-12
+    seed_rank = [
+        r for r in payload["results"] if r["fixture"] == "seed" and r["scheme"] == "rank_mean"
+    ]
+    assert max(r["max_rel_err"] for r in seed_rank) > 0.1  # the accidental scheme's deviation
+
+
+def test_run_filters_fixtures_schemes_and_layouts(tmp_path):
+    out = tmp_path / "out.json"
+    code = main(
+        [
+            "run",
+            "--fixture",
+            "packed",
+            "--schemes",
+            "token_mean,row_mean",
+            "--world-sizes",
+            "1,2",
+            "--accum",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["scheme"], r["world_size"], r["accum_steps"]) for r in rows} == {
+        ("token_mean", 1, 2),
+        ("token_mean", 2, 2),
+        ("row_mean", 1, 2),
+        ("row_mean", 2, 2),
+    }
+
+
+def test_run_refuses_an_unknown_scheme_with_the_known_ones():
+    completed = subprocess.run(
+        [sys.executable, "-m", "crosscheck", "run", "--schemes", "mean"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode != 0
+    assert "unknown scheme 'mean'" in completed.stderr + completed.stdout

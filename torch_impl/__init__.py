@@ -1,0 +1,1 @@
+"""PyTorch reference implementation of the normalization contract."""
