@@ -1,1 +1,87 @@
-"""JAX/Flax reference implementation of the normalization contract."""
+"""JAX/Flax reference implementation of the normalization contract.
+
+Per-scheme losses (`microbatch_loss`: each microbatch's sum of a_t l_t and its denominator
+contribution d), the update step under pmap, shard_map, global-view jit and multi-process
+jax.distributed with the precount and postnorm strategies, and a token-weighted accumulation
+transformation for optax. Independent of `crosscheck` on purpose: the harness imports this
+package, never the reverse.
+"""
+
+from jax_impl.accidental import microbatch_mean_gradients, rank_mean_gradients
+from jax_impl.accumulate import Collective, RankGradients, Strategy, rank_gradients, reduce_factor
+from jax_impl.batch import lay_out_global_batch, rank_slice, validate_global_batch
+from jax_impl.devices import require_devices
+from jax_impl.global_step import make_global_gradients, make_global_sweep, make_global_update
+from jax_impl.losses import (
+    Microbatch,
+    MicrobatchLoss,
+    local_mean_loss,
+    microbatch_loss,
+    token_losses,
+)
+from jax_impl.model import BilinearLM, params_from_numpy
+from jax_impl.pmap_step import make_pmap_gradients, make_pmap_sweep, make_pmap_update
+from jax_impl.schemes import IGNORE_INDEX, Scheme, scheme_terms
+from jax_impl.shard_map_step import (
+    data_mesh,
+    init_opt_state,
+    make_shard_map_gradients,
+    make_shard_map_sweep,
+    make_shard_map_update,
+    replicate,
+    shard_batch,
+)
+from jax_impl.token_weighted import TokenWeightedState, token_weighted_accumulation
+from jax_impl.update import (
+    ReducedGradients,
+    StepConfig,
+    UpdateMetrics,
+    UpdateResult,
+    apply_clipped_update,
+    apply_optimizer,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BilinearLM",
+    "Collective",
+    "Microbatch",
+    "MicrobatchLoss",
+    "RankGradients",
+    "ReducedGradients",
+    "Scheme",
+    "StepConfig",
+    "Strategy",
+    "TokenWeightedState",
+    "UpdateMetrics",
+    "UpdateResult",
+    "apply_clipped_update",
+    "apply_optimizer",
+    "data_mesh",
+    "init_opt_state",
+    "lay_out_global_batch",
+    "local_mean_loss",
+    "make_global_gradients",
+    "make_global_sweep",
+    "make_global_update",
+    "make_pmap_gradients",
+    "make_pmap_sweep",
+    "make_pmap_update",
+    "make_shard_map_gradients",
+    "make_shard_map_sweep",
+    "make_shard_map_update",
+    "microbatch_loss",
+    "microbatch_mean_gradients",
+    "params_from_numpy",
+    "rank_gradients",
+    "rank_mean_gradients",
+    "rank_slice",
+    "reduce_factor",
+    "replicate",
+    "require_devices",
+    "scheme_terms",
+    "shard_batch",
+    "token_losses",
+    "token_weighted_accumulation",
+    "validate_global_batch",
+]

@@ -1,0 +1,99 @@
+r"""The accidental normalizations, written the way real training loops write them.
+
+Each rank (or each microbatch) takes its own token mean and the data-parallel all-reduce
+averages the results. Neither is of the (a_t, d) form with a layout-free D, so neither is a
+scheme of `jax_impl.schemes`; they exist so that a gradient can be compared with them and the
+bug named (BUGS.md: rank-mean, microbatch-mean). Both have the `RankGradientsFn` signature and
+plug into any collective front-end through ``StepConfig(gradients=...)``.
+
+rank_mean
+    token t on rank r weighs :math:`v_t / (R\, n_r)`: the seed example's 9x, torchtune#2980,
+    prime-rl#2358.
+microbatch_mean
+    token t on rank r, microbatch m weighs :math:`v_t / (R\, M\, n_{rm})`: nanoGPT-style
+    ``loss / grad_accum_steps``, transformers#34191, optax.MultiSteps with a mean loss.
+
+Where a rank or microbatch has no valid token, real code divides 0 by 0; here it contributes
+nothing (the oracle's convention), so that the comparison names the reweighting, not a NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl.accumulate import RankGradients, accumulate_microbatches
+from jax_impl.losses import Microbatch, local_mean_loss, weights_like_params
+from jax_impl.model import Params
+from jax_impl.schemes import IGNORE_INDEX
+
+
+def rank_mean_gradients(
+    params: Params,
+    rank_batch: Microbatch,
+    scheme: jax.Array,
+    constant_normalizer: jax.Array,
+    axis_name: str,
+) -> RankGradients:
+    """Local token mean over this rank's M microbatches, then ``pmean`` over ranks.
+
+    The scheme arguments are ignored: this is what the loop does whatever was intended. The
+    reported denominator is R and the per-rank loss sum is the rank's own mean, as the
+    oracle reports them.
+    """
+    del scheme, constant_normalizer
+    rank_batch = weights_like_params(rank_batch, params)
+    valid = rank_batch.targets != IGNORE_INDEX
+    dtype = rank_batch.weights.dtype
+    n_rank = jnp.sum(valid, dtype=jnp.int32)
+    inv_count = 1 / jnp.where(n_rank > 0, n_rank, 1).astype(dtype)
+    grads, loss_sum = accumulate_microbatches(params, rank_batch, valid.astype(dtype), inv_count)
+    rank_mean = loss_sum * inv_count
+    world_size = jax.lax.axis_size(axis_name)
+    return RankGradients(
+        grads=jax.lax.pmean(grads, axis_name),
+        local_valid_tokens=n_rank,
+        local_loss_sum=rank_mean,
+        global_denominator=jnp.asarray(world_size, dtype),
+        loss=jax.lax.pmean(rank_mean, axis_name),
+    )
+
+
+def microbatch_mean_gradients(
+    params: Params,
+    rank_batch: Microbatch,
+    scheme: jax.Array,
+    constant_normalizer: jax.Array,
+    axis_name: str,
+) -> RankGradients:
+    """Each microbatch's own token mean divided by M, accumulated, then ``pmean`` over ranks.
+
+    The reported denominator is R M and the per-rank loss sum is the sum of the rank's
+    microbatch means, as the oracle reports them.
+    """
+    del scheme, constant_normalizer
+    rank_batch = weights_like_params(rank_batch, params)
+    accum_steps = rank_batch.targets.shape[0]
+    mean_and_grad = jax.value_and_grad(local_mean_loss)
+
+    def micro_step(carry, microbatch):
+        grads_acc, means_acc = carry
+        mean, grads = mean_and_grad(params, microbatch)
+        # nanoGPT's `loss = loss / gradient_accumulation_steps` before backward.
+        grads_acc = jax.tree.map(lambda acc, g: acc + g / accum_steps, grads_acc, grads)
+        return (grads_acc, means_acc + mean), None
+
+    like = rank_batch.weights  # zeros built from the data vary across ranks, as the carry must
+    init = (
+        jax.tree.map(lambda p: jnp.zeros_like(like, shape=p.shape, dtype=p.dtype), params),
+        jnp.zeros_like(like, shape=()),
+    )
+    (grads, mean_sum), _ = jax.lax.scan(micro_step, init, rank_batch)
+    world_size = jax.lax.axis_size(axis_name)
+    return RankGradients(
+        grads=jax.lax.pmean(grads, axis_name),
+        local_valid_tokens=jnp.sum(rank_batch.targets != IGNORE_INDEX, dtype=jnp.int32),
+        local_loss_sum=mean_sum,
+        global_denominator=jnp.asarray(world_size * accum_steps, like.dtype),
+        loss=jax.lax.pmean(mean_sum, axis_name) / accum_steps,
+    )

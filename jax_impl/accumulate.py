@@ -1,0 +1,192 @@
+r"""One rank's share of an update: accumulate over M microbatches, then reduce across ranks.
+
+Runs inside a named axis (``jax.pmap(axis_name=...)`` or ``jax.shard_map`` over a mesh axis);
+the front-ends differ only in how they map this function over devices. With R ranks, M
+microbatches per rank and every microbatch contributing :math:`(\sum_t a_t l_t,\ d)`:
+
+precount
+    :math:`D = \operatorname{psum}_r \sum_m d_{rm}` first (labels only, one collective), then
+    each microbatch backpropagates :math:`(\sum_t a_t l_t)\, s / D` and the accumulated
+    gradient goes through the gradient collective. With :math:`s` the reduction factor,
+
+    .. math::
+
+        \operatorname{psum}_r \sum_m \nabla \frac{\sum a l}{D}\Big|_{s=1}
+        = \operatorname{pmean}_r \sum_m \nabla \frac{R \sum a l}{D}\Big|_{s=R}
+        = \nabla L,
+
+    so s = 1 under psum and s = R under pmean (DDP's and FSDP's default average; forgetting it
+    is transformers#37474, applying it twice liquid-finetune#38).
+postnorm
+    each microbatch backpropagates the unnormalized :math:`\sum_t a_t l_t`; after the loop one
+    psum carries the gradient sums, the loss sums and both d channels, and the gradient is
+    divided by D afterwards. No s: a sum is reduced and a sum is wanted.
+
+Accumulation is a ``lax.scan`` over the M microbatches rather than a Python loop over a jitted
+micro-step: the whole update is one program, so the d collective runs once before and the
+gradient collective once after all M microbatches (a Python loop would have to split the step
+into separately compiled micro-steps and a reduce step and keep accumulators on the host side
+of that boundary), the program size and compile time do not grow with M, and the same code
+runs unchanged under pmap, shard_map and multi-process. Only one microbatch's activations are
+live at a time, which is the point of accumulating.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl.losses import Microbatch, weighted_loss_sum, weights_like_params
+from jax_impl.model import Params
+from jax_impl.schemes import (
+    IGNORE_INDEX,
+    Scheme,
+    global_denominator,
+    safe_denominator,
+    scheme_terms,
+)
+
+
+class Strategy(enum.Enum):
+    """When the global denominator D is applied."""
+
+    PRECOUNT = "precount"
+    """D reduced from the labels first; every microbatch backpropagates (sum a l) s / D."""
+    POSTNORM = "postnorm"
+    """Unnormalized sums backpropagated; gradients and d reduced together, then divided."""
+
+
+class Collective(enum.Enum):
+    """How the gradient is reduced across ranks in the precount strategy."""
+
+    PSUM = "psum"
+    """All-reduce sum: reduction factor s = 1."""
+    PMEAN = "pmean"
+    """All-reduce mean (DDP's default): reduction factor s = R."""
+
+
+class RankGradients(NamedTuple):
+    """The fully reduced gradient and what went into it, as seen on one rank."""
+
+    grads: Params  # identical on every rank after the collective
+    local_valid_tokens: jax.Array  # int32, valid targets of this rank over its M microbatches
+    local_loss_sum: jax.Array  # sum of a_t l_t over this rank's tokens
+    global_denominator: jax.Array  # D
+    loss: jax.Array  # the objective L = (sum over ranks of local_loss_sum) / D
+
+
+#: The signature every per-rank gradient function has (intended, or a reproduced bug):
+#: (params, rank_batch [M, B, T], scheme index, constant normalizer, axis name) -> gradients.
+RankGradientsFn = Callable[[Params, Microbatch, jax.Array, jax.Array, str], RankGradients]
+
+
+def reduce_factor(collective: Collective, world_size: int) -> int:
+    """s: R when the gradient collective averages, 1 when it sums."""
+    return world_size if collective is Collective.PMEAN else 1
+
+
+@jax.jit
+def accumulate_microbatches(
+    params: Params, rank_batch: Microbatch, token_weights: jax.Array, scale: jax.Array
+) -> tuple[Params, jax.Array]:
+    """sum over the M microbatches of grad((sum_t a_t l_t) * scale), and sum of sum_t a_t l_t.
+
+    `rank_batch` and `token_weights` are [M, B, T]; `scale` is s / D (precount) or 1 (postnorm).
+    jit-wrapped so that its trace is cached per shape and shared by the strategies of a sweep
+    (inside another jit, pmap or shard_map it is inlined, not a separate program).
+    """
+
+    def scaled_loss(p: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array):
+        loss_sum = weighted_loss_sum(p, inputs, targets, a)
+        return loss_sum * scale, loss_sum
+
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
+
+    def micro_step(carry, xs):
+        grads_acc, loss_acc = carry
+        grads, loss_sum = grad_fn(params, *xs)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        return (grads_acc, loss_acc + loss_sum), None
+
+    # Zeros shaped like the params but built from the data: under shard_map they then carry
+    # the data's varying-manual-axes type, as the scan carry must (the gradient of a rank's
+    # own microbatch varies across ranks), without this code having to name the axis.
+    zeros = jax.tree.map(
+        lambda p: jnp.zeros_like(token_weights, shape=p.shape, dtype=p.dtype), params
+    )
+    init = (zeros, jnp.zeros_like(token_weights, shape=()))
+    xs = (rank_batch.inputs, rank_batch.targets, token_weights)
+    (grads, loss_sum), _ = jax.lax.scan(micro_step, init, xs)
+    return grads, loss_sum
+
+
+def rank_gradients(
+    params: Params,
+    rank_batch: Microbatch,
+    scheme: jax.Array | Scheme,
+    constant_normalizer: jax.Array | float,
+    axis_name: str,
+    *,
+    strategy: Strategy = Strategy.PRECOUNT,
+    collective: Collective = Collective.PSUM,
+    scale_override: float | None = None,
+) -> RankGradients:
+    """The reduced gradient of the scheme's objective; call inside `axis_name`'s mapping.
+
+    `scale_override` replaces s (precount only) to reproduce a mis-scaled step: s = 1 with
+    pmean is the missing-world-size bug, s = R with psum a doubled world size.
+    """
+    world_size = jax.lax.axis_size(axis_name)
+    rank_batch = weights_like_params(rank_batch, params)
+    terms = scheme_terms(scheme, rank_batch.targets, rank_batch.segment_ids, rank_batch.weights)
+    local_count = jnp.sum(terms.count, dtype=jnp.int32)
+    local_weight_sum = jnp.sum(terms.weight_sum)
+    local_valid = jnp.sum(rank_batch.targets != IGNORE_INDEX, dtype=jnp.int32)
+
+    if strategy is Strategy.PRECOUNT:
+        # One collective for D over all R * M microbatches, before any forward pass.
+        total_count, total_weight_sum = jax.lax.psum((local_count, local_weight_sum), axis_name)
+        D = global_denominator(scheme, total_count, total_weight_sum, constant_normalizer)
+        s = reduce_factor(collective, world_size) if scale_override is None else scale_override
+        scale = jnp.asarray(s, D.dtype) / safe_denominator(D)
+        grads, local_loss_sum = accumulate_microbatches(
+            params, rank_batch, terms.token_weights, scale
+        )
+        if collective is Collective.PMEAN:
+            grads = jax.lax.pmean(grads, axis_name)
+        else:
+            grads = jax.lax.psum(grads, axis_name)
+        # Metrics only: the objective's value needs every rank's loss sum.
+        total_loss_sum = jax.lax.psum(local_loss_sum, axis_name)
+    elif strategy is Strategy.POSTNORM:
+        if collective is not Collective.PSUM or scale_override is not None:
+            raise ValueError(
+                "postnorm reduces sums and divides by D afterwards: it takes collective=psum "
+                f"and no scale override, got collective={collective.value}, "
+                f"scale_override={scale_override}"
+            )
+        one = jnp.ones((), terms.token_weights.dtype)
+        grad_sums, local_loss_sum = accumulate_microbatches(
+            params, rank_batch, terms.token_weights, one
+        )
+        # One collective: gradient sums, loss sums and both d channels together.
+        grad_sums, total_loss_sum, total_count, total_weight_sum = jax.lax.psum(
+            (grad_sums, local_loss_sum, local_count, local_weight_sum), axis_name
+        )
+        D = global_denominator(scheme, total_count, total_weight_sum, constant_normalizer)
+        safe_D = safe_denominator(D)
+        grads = jax.tree.map(lambda g: g / safe_D, grad_sums)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+
+    return RankGradients(
+        grads=grads,
+        local_valid_tokens=local_valid,
+        local_loss_sum=local_loss_sum,
+        global_denominator=D,
+        loss=total_loss_sum / safe_denominator(D),
+    )

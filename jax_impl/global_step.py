@@ -1,0 +1,176 @@
+r"""The update as one global-view ``jax.jit``: the global sum written directly, no collectives.
+
+The [R, M, B, T] batch is sharded over a "data" mesh on its rank axis; the program is written
+for the whole global batch and XLA inserts the cross-device reductions. There is no reduction
+factor: the code says :math:`\sum_{r,m}` and that is what is computed, so the only way to get
+the normalization wrong here is to write the wrong sum. Accumulation scans over the M
+microbatches; global microbatch m holds every rank's microbatch m ([R, B, T]).
+
+precount: D from the labels of all R M microbatches first, then
+:math:`\sum_m \nabla \big(\sum_{r,t \in m} a_t l_t / D\big)`.
+postnorm: :math:`\big(\sum_m \nabla \sum_{r,t \in m} a_t l_t\big) / D`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh
+
+from jax_impl.accumulate import Collective, Strategy
+from jax_impl.devices import check_rank_axis
+from jax_impl.losses import Microbatch, token_losses, weights_like_params
+from jax_impl.model import Params, logits_fn
+from jax_impl.schemes import (
+    IGNORE_INDEX,
+    Scheme,
+    global_denominator,
+    safe_denominator,
+    scheme_terms,
+)
+from jax_impl.shard_map_step import replicate, shard_batch
+from jax_impl.update import (
+    GradientsFn,
+    ReducedGradients,
+    StepConfig,
+    SweepFn,
+    UpdateFn,
+    UpdateResult,
+    check_sweep,
+    check_sweep_params,
+    scheme_index,
+    with_optimizer,
+)
+
+
+def global_gradients(
+    params: Params,
+    batch: Microbatch,
+    scheme: jax.Array | Scheme,
+    constant_normalizer: jax.Array | float,
+    *,
+    strategy: Strategy = Strategy.PRECOUNT,
+) -> ReducedGradients:
+    """The gradient of one update over the global [R, M, B, T] batch (see the module doc)."""
+    batch = weights_like_params(batch, params)
+    terms = scheme_terms(scheme, batch.targets, batch.segment_ids, batch.weights)
+    dtype = terms.token_weights.dtype
+    D = global_denominator(
+        scheme, jnp.sum(terms.count), jnp.sum(terms.weight_sum), constant_normalizer
+    )
+    safe_D = safe_denominator(D)
+    scale = 1 / safe_D if strategy is Strategy.PRECOUNT else jnp.ones((), dtype)
+
+    def scaled_loss(p: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array):
+        """(sum over [R, B, T] of a_t l_t) * scale, and the per-rank sums [R] as aux."""
+        per_rank = jnp.sum(a * token_losses(logits_fn(p, inputs), targets), axis=(1, 2))
+        return jnp.sum(per_rank) * scale, per_rank
+
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
+
+    def micro_step(carry, xs):
+        grads_acc, rank_sums_acc = carry
+        grads, rank_sums = grad_fn(params, *xs)
+        return (jax.tree.map(jnp.add, grads_acc, grads), rank_sums_acc + rank_sums), None
+
+    world_size = batch.targets.shape[0]
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((world_size,), dtype))
+    # [R, M, ...] -> [M, R, ...]: the scan walks the microbatches, every rank's at once.
+    xs = jax.tree.map(
+        lambda x: jnp.swapaxes(x, 0, 1), (batch.inputs, batch.targets, terms.token_weights)
+    )
+    (grads, rank_sums), _ = jax.lax.scan(micro_step, init, xs)
+    if strategy is Strategy.POSTNORM:
+        grads = jax.tree.map(lambda g: g / safe_D, grads)
+    return ReducedGradients(
+        grads=grads,
+        rank_valid_tokens=jnp.sum(batch.targets != IGNORE_INDEX, axis=(1, 2, 3), dtype=jnp.int32),
+        rank_loss_sums=rank_sums,
+        global_denominator=D,
+        loss=jnp.sum(rank_sums) / safe_D,
+    )
+
+
+def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
+    """sweep(params per config, batch [R, M, B, T], scheme, normalizer) -> result per config.
+
+    The batch's rank axis is sharded over the mesh's only axis; R must equal the mesh size.
+    A config asking for pmean, a reduction factor or a replaced per-rank gradient is refused:
+    there is no collective here for them to act on.
+    """
+    configs = check_sweep(configs)
+    for config in configs:
+        if (
+            config.collective is not Collective.PSUM
+            or config.reduce_factor is not None
+            or config.gradients is not None
+        ):
+            raise ValueError(
+                "global-view jit writes the global sum directly: it takes no collective, "
+                "reduction factor or per-rank gradient; got "
+                f"collective={config.collective.value!r}, "
+                f"reduce_factor={config.reduce_factor!r}, gradients={config.gradients!r}"
+            )
+    (axis,) = mesh.axis_names
+    world_size = mesh.shape[axis]
+    mesh = auto_mesh(mesh)
+    strategies = [config.strategy for config in configs]
+
+    def all_strategies(params, batch, scheme, constant_normalizer):
+        return tuple(
+            global_gradients(p, batch, scheme, constant_normalizer, strategy=strategy)
+            for strategy, p in zip(strategies, params, strict=True)
+        )
+
+    jitted = jax.jit(all_strategies)
+
+    def sweep(
+        params: Sequence[Params],
+        batch: Microbatch,
+        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
+        constant_normalizer: float = 0.0,
+    ) -> tuple[ReducedGradients, ...]:
+        if not isinstance(batch.targets, jax.Array):
+            check_rank_axis(batch, world_size, "global-view jit gradients")
+            batch = shard_batch(batch, mesh, axis)
+        params = check_sweep_params(params, len(configs))
+        dtype = jax.tree.leaves(params)[0].dtype
+        scalars = replicate((scheme_index(scheme), jnp.asarray(constant_normalizer, dtype)), mesh)
+        return jitted(replicate(params, mesh), batch, *scalars)
+
+    return sweep
+
+
+def auto_mesh(mesh: Mesh) -> Mesh:
+    """The same devices and axis with Auto axis type.
+
+    The model's gather embed[inputs] with sharded ids has no single output sharding that
+    Explicit mode accepts without annotations; with Auto the partitioner propagates the batch
+    sharding through the whole step, as a classic pjit data-parallel program does.
+    """
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
+
+
+def make_global_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:
+    """gradients(params, batch [R, M, B, T], scheme, constant_normalizer) -> ReducedGradients."""
+    sweep = make_global_sweep([config], mesh)
+
+    def gradients(params: Params, *args, **kwargs) -> ReducedGradients:
+        return sweep([params], *args, **kwargs)[0]
+
+    return gradients
+
+
+def make_global_update(config: StepConfig, mesh: Mesh) -> UpdateFn:
+    """update(params, opt_state, batch [R, M, B, T], scheme, constant_normalizer=0.0)."""
+    gradients = make_global_gradients(config, mesh)
+    update = with_optimizer(gradients, config)
+    replicated_mesh = auto_mesh(mesh)
+
+    def replicated_update(params, opt_state, batch, *args, **kwargs) -> UpdateResult:
+        params, opt_state = replicate((params, opt_state), replicated_mesh)
+        return update(params, opt_state, batch, *args, **kwargs)
+
+    return replicated_update

@@ -1,0 +1,98 @@
+r"""Per-token cross-entropy and the per-microbatch loss terms of every scheme.
+
+Each microbatch contributes :math:`(\sum_t a_t l_t,\ d)`; nothing here divides by anything but
+the local group sizes inside a_t, so these are the unnormalized pieces that a step sums over
+microbatches and ranks before (postnorm) or after (precount) knowing D.
+
+The accidental normalizations (a local mean per microbatch or per rank) are here too, because
+that is how real training loops write them (see ``jax_impl.accidental``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jax_impl.model import Params, logits_fn
+from jax_impl.schemes import IGNORE_INDEX, Scheme, SchemeTerms, scheme_terms
+
+
+class Microbatch(NamedTuple):
+    """One microbatch (arrays [B, T]), or a stack of them with leading axes [..., B, T]."""
+
+    inputs: jax.Array
+    targets: jax.Array
+    segment_ids: jax.Array
+    weights: jax.Array
+
+
+def weights_like_params(batch: Microbatch, params: Params) -> Microbatch:
+    """The batch with its soft weights in the params' dtype: a_t, d and D are computed in the
+    dtype of the model, so float32 weights cannot quietly round a float64 step."""
+    dtype = jax.tree.leaves(params)[0].dtype
+    return batch._replace(weights=jnp.asarray(batch.weights).astype(dtype))
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """l_t = logsumexp(z_t) - z_t[y_t], and exactly 0 where y_t = IGNORE_INDEX.
+
+    Ignored targets are replaced by class 0 before the lookup so that -100 never indexes the
+    logits (an out-of-range gather is clamped or NaN depending on the backend); the loss there
+    is then masked by ``where``, which also keeps its gradient exactly zero.
+    """
+    valid = targets != IGNORE_INDEX
+    safe_targets = jnp.where(valid, targets, 0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, safe_targets)
+    return jnp.where(valid, losses, 0)
+
+
+def weighted_loss_sum(
+    params: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array
+) -> jax.Array:
+    """sum_t a_t l_t over every token of `inputs` / `targets` (any leading shape)."""
+    return jnp.sum(a * token_losses(logits_fn(params, inputs), targets))
+
+
+class MicrobatchLoss(NamedTuple):
+    """What one microbatch hands the step: the unnormalized loss and its denominator."""
+
+    loss_sum: jax.Array  # sum_t a_t l_t
+    count: jax.Array  # int32 d channel (counting schemes)
+    weight_sum: jax.Array  # float d channel (weighted_mean)
+
+
+def microbatch_loss(
+    params: Params, microbatch: Microbatch, scheme: Scheme | str | jax.Array
+) -> MicrobatchLoss:
+    """(sum_t a_t l_t, d) for one microbatch under `scheme` (static, or a traced index).
+
+    >>> import numpy as np
+    >>> params = {"embed": np.eye(3, 2), "unembed": np.zeros((2, 3))}
+    >>> mb = Microbatch(np.array([[0, 1]]), np.array([[1, -100]]), np.ones((1, 2), int),
+    ...                 np.ones((1, 2), np.float32))
+    >>> out = microbatch_loss(params, mb, "token_mean")
+    >>> round(float(out.loss_sum), 4), int(out.count)  # log 3: uniform over 3 classes
+    (1.0986, 1)
+    """
+    terms: SchemeTerms = scheme_terms(
+        scheme, microbatch.targets, microbatch.segment_ids, microbatch.weights
+    )
+    loss_sum = weighted_loss_sum(params, microbatch.inputs, microbatch.targets, terms.token_weights)
+    return MicrobatchLoss(loss_sum, terms.count, terms.weight_sum)
+
+
+def local_mean_loss(params: Params, microbatch: Microbatch) -> jax.Array:
+    """The loss most training loops write: the token mean of *this* microbatch only.
+
+    0 when the microbatch has no valid token (real code usually divides 0 by 0 there; the
+    oracle's accidental schemes count such a microbatch as contributing nothing, and so does
+    this). Averaged over microbatches and ranks it is the microbatch-mean bug of BUGS.md
+    (transformers#34191, optax.MultiSteps with a mean loss).
+    """
+    valid = microbatch.targets != IGNORE_INDEX
+    losses = token_losses(logits_fn(params, microbatch.inputs), microbatch.targets)
+    count = jnp.sum(valid)
+    return jnp.sum(losses) / jnp.where(count > 0, count, 1).astype(losses.dtype)

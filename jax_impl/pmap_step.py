@@ -1,0 +1,96 @@
+"""The update under ``jax.pmap``: one rank per device, collectives over a named axis.
+
+The mapped function is the per-rank gradient of `jax_impl.accumulate` (the same code
+shard_map runs). Params, the scheme index and the constant normalizer are broadcast
+(``in_axes=None``); the [R, M, B, T] batch is mapped over its rank axis. The optimizer step
+then runs once on the reduced gradient (`jax_impl.update.with_optimizer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_impl.devices import check_rank_axis, require_devices
+from jax_impl.losses import Microbatch
+from jax_impl.model import Params
+from jax_impl.schemes import Scheme
+from jax_impl.update import (
+    GradientsFn,
+    ReducedGradients,
+    StepConfig,
+    SweepFn,
+    UpdateFn,
+    check_sweep,
+    check_sweep_params,
+    scheme_index,
+    with_optimizer,
+)
+
+
+def _on_rank0(x: jax.Array) -> jax.Array:
+    """Rank 0's copy of a replicated pmap output, on rank 0's device only: the optimizer step
+    then runs there, next to params committed to that device, not across all R devices."""
+    return x.addressable_data(0)[0]
+
+
+def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
+    """sweep(params per config, batch [R, M, B, T], scheme, normalizer) -> result per config.
+
+    All configs run side by side in one pmapped program: a harness comparing strategies
+    compiles once per batch shape, not once per (shape, strategy). Build it once and call it
+    for every fixture and scheme: the scheme is a traced index, not a recompile. Replicated
+    outputs are taken from rank 0; per-rank metrics come back stacked to [R].
+    """
+    configs = check_sweep(configs)
+    devices = require_devices(world_size)
+    per_rank_fns = [config.rank_gradients_fn() for config in configs]
+    axis = configs[0].axis_name
+
+    def per_rank(params, batch, scheme, normalizer):
+        return tuple(
+            fn(p, batch, scheme, normalizer, axis)
+            for fn, p in zip(per_rank_fns, params, strict=True)
+        )
+
+    mapped = jax.pmap(per_rank, axis_name=axis, in_axes=(None, 0, None, None), devices=devices)
+
+    def sweep(
+        params: Sequence[Params],
+        batch: Microbatch,
+        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
+        constant_normalizer: float = 0.0,
+    ) -> tuple[ReducedGradients, ...]:
+        check_rank_axis(batch, world_size, "pmap gradients")
+        params = check_sweep_params(params, len(configs))
+        dtype = jax.tree.leaves(params)[0].dtype
+        outs = mapped(params, batch, scheme_index(scheme), jnp.asarray(constant_normalizer, dtype))
+        return tuple(
+            ReducedGradients(
+                grads=jax.tree.map(_on_rank0, out.grads),
+                rank_valid_tokens=out.local_valid_tokens,
+                rank_loss_sums=out.local_loss_sum,
+                global_denominator=_on_rank0(out.global_denominator),
+                loss=_on_rank0(out.loss),
+            )
+            for out in outs
+        )
+
+    return sweep
+
+
+def make_pmap_gradients(config: StepConfig, world_size: int) -> GradientsFn:
+    """gradients(params, batch [R, M, B, T], scheme, constant_normalizer) -> ReducedGradients."""
+    sweep = make_pmap_sweep([config], world_size)
+
+    def gradients(params: Params, *args, **kwargs) -> ReducedGradients:
+        return sweep([params], *args, **kwargs)[0]
+
+    return gradients
+
+
+def make_pmap_update(config: StepConfig, world_size: int) -> UpdateFn:
+    """update(params, opt_state, batch [R, M, B, T], scheme, constant_normalizer=0.0)."""
+    return with_optimizer(make_pmap_gradients(config, world_size), config)

@@ -1,0 +1,359 @@
+r"""A resumable update loop under ``jax.pmap``: stop between updates or inside a window, go on.
+
+One update accumulates M microbatches per rank, reduces across the R ranks, normalizes by the
+global denominator D, clips and steps the optimizer (as `jax_impl.accumulate` and
+`jax_impl.update` do in one program). Here the window is split at microbatch j: microbatches
+[0, j) are accumulated per rank without any gradient collective, the per-rank partial sums
+can be checkpointed, and on resume [j, M) continue from those sums:
+
+.. math::
+
+    g_r = \sum_{m<j} \nabla(\textstyle\sum_t a_t l_t)\,c \;+\; \sum_{m \ge j} \nabla(\ldots)\,c,
+    \qquad c = s/D \text{ (precount)},\ c = 1 \text{ (postnorm)}
+
+The scan carry of the second part starts from the saved first-part sums, so the additions
+happen in the same order as in an unsplit window; then the collective (pmean or psum), the
+normalization, the clip and the optimizer run exactly as for an uninterrupted update.
+
+- precount: D comes first from the labels of the whole window (one psum of the d channels,
+  no gradients); it is saved with the partial sums and recomputed on resume as a check that
+  the batch and layout are the ones the sums belong to.
+- postnorm: the partial sums include each rank's d channels (count, weight sum) and loss sum
+  of [0, j); after [j, M) one psum carries gradient sums, loss sums and d, then g / D.
+
+Why pmap rather than shard_map: the partial sums are per-rank, unreduced values, and pmap's
+outputs are naturally stacked [R, ...] arrays that go to and come back from a checkpoint as
+plain numpy without a mesh; params and optimizer state are replicated (taken from rank 0), so
+a checkpoint taken between updates resumes at any other world size.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_impl.accumulate import Collective, Strategy, reduce_factor
+from jax_impl.checkpoint import (
+    CheckpointError,
+    CheckpointMeta,
+    read_arrays,
+    read_meta,
+    save_checkpoint,
+)
+from jax_impl.devices import check_rank_axis, require_devices
+from jax_impl.losses import Microbatch, weighted_loss_sum
+from jax_impl.model import Params
+from jax_impl.schemes import Scheme, global_denominator, safe_denominator, scheme_terms
+from jax_impl.update import ReducedGradients, StepConfig, apply_optimizer, scheme_index
+
+
+class PartialWindow(NamedTuple):
+    """Per-rank sums over the first `done` microbatches of a window; array leaves are [R, ...].
+
+    Nothing here has been through a collective: each rank's row is its own.
+    """
+
+    done: int  # microbatches of the window accumulated, 0 < done < M
+    grad_sums: Params  # [R, ...]: sum over m < done of grad((sum_t a_t l_t) * c)
+    loss_sums: jax.Array  # [R]: sum over m < done of sum_t a_t l_t
+    counts: jax.Array  # [R] int32: d (count channel) of m < done
+    weight_sums: jax.Array  # [R]: d (weight channel) of m < done
+    denominator: jax.Array  # precount's D of the whole window (postnorm: 0, not known yet)
+
+
+class TrainState(NamedTuple):
+    """Everything a resumed run needs: replicated params and optax state, and progress."""
+
+    params: Params
+    opt_state: optax.OptState
+    updates_done: int
+    partial: PartialWindow | None = None
+
+
+class _Sums(NamedTuple):
+    grad_sums: Params
+    loss_sums: jax.Array
+    counts: jax.Array
+    weight_sums: jax.Array
+
+
+def _window_denominator(window: Microbatch, scheme, normalizer, *, axis_name: str):
+    """D of the whole window from labels only: one psum of the two d channels."""
+    terms = scheme_terms(scheme, window.targets, window.segment_ids, window.weights)
+    local = (jnp.sum(terms.count, dtype=jnp.int32), jnp.sum(terms.weight_sum))
+    total_count, total_weight_sum = jax.lax.psum(local, axis_name)
+    return global_denominator(scheme, total_count, total_weight_sum, normalizer)
+
+
+def _accumulate(params: Params, part: Microbatch, sums: _Sums, scale, scheme) -> _Sums:
+    """Continue one rank's sums over the microbatches of `part` [k, B, T]; no collective."""
+    terms = scheme_terms(scheme, part.targets, part.segment_ids, part.weights)
+
+    def scaled_loss(p, inputs, targets, a):
+        loss_sum = weighted_loss_sum(p, inputs, targets, a)
+        return loss_sum * scale, loss_sum
+
+    grad_fn = jax.grad(scaled_loss, has_aux=True)
+
+    def micro_step(carry, xs):
+        grads_acc, loss_acc = carry
+        grads, loss_sum = grad_fn(params, *xs)
+        return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss_sum), None
+
+    xs = (part.inputs, part.targets, terms.token_weights)
+    (grads, loss), _ = jax.lax.scan(micro_step, (sums.grad_sums, sums.loss_sums), xs)
+    return _Sums(
+        grads,
+        loss,
+        sums.counts + jnp.sum(terms.count, dtype=jnp.int32),
+        sums.weight_sums + jnp.sum(terms.weight_sum),
+    )
+
+
+def _finish(sums: _Sums, D, scheme, normalizer, *, axis_name: str, strategy, collective):
+    """The collective and the normalization of a completed window, on one rank."""
+    if strategy is Strategy.PRECOUNT:
+        reduce = jax.lax.pmean if collective is Collective.PMEAN else jax.lax.psum
+        grads = reduce(sums.grad_sums, axis_name)
+        total_loss = jax.lax.psum(sums.loss_sums, axis_name)  # metrics only
+    else:
+        grad_sums, total_loss, count, weight_sum = jax.lax.psum(tuple(sums), axis_name)
+        D = global_denominator(scheme, count, weight_sum, normalizer)
+        grads = jax.tree.map(lambda g: g / safe_denominator(D), grad_sums)
+    return grads, D, total_loss / safe_denominator(D)
+
+
+def _rank0(x: jax.Array) -> jax.Array:
+    return x.addressable_data(0)[0]
+
+
+class ResumableLoop:
+    """The update loop of one strategy at one layout (R, M); every program compiled once.
+
+    `config` must describe the intended step (no `gradients`, no `reduce_factor` override):
+    a reproduced bug has nothing to resume. The scheme is a traced index, so one loop
+    serves every scheme.
+    """
+
+    def __init__(self, config: StepConfig, world_size: int, accum_steps: int) -> None:
+        if config.gradients is not None or config.reduce_factor is not None:
+            raise ValueError("ResumableLoop runs the intended step: no gradients/reduce_factor")
+        self.config, self.world_size, self.accum_steps = config, world_size, accum_steps
+        self.devices = require_devices(world_size)
+        axis = config.axis_name
+        pmap = functools.partial(jax.pmap, axis_name=axis, devices=self.devices)
+        self._denominator = pmap(
+            functools.partial(_window_denominator, axis_name=axis), in_axes=(0, None, None)
+        )
+        self._accumulate = pmap(_accumulate, in_axes=(None, 0, 0, None, None))
+        self._finish = pmap(
+            functools.partial(
+                _finish, axis_name=axis, strategy=config.strategy, collective=config.collective
+            ),
+            in_axes=(0, None, None, None),
+        )
+
+    def init(self, params: Params) -> TrainState:
+        """Update 0: params on rank 0's device and the optimizer's initial state."""
+        params = jax.device_put(params, self.devices[0])
+        return TrainState(params, jax.jit(self.config.optimizer.init)(params), 0)
+
+    def _zero_sums(self, params: Params, dtype) -> _Sums:
+        R = self.world_size
+        return _Sums(
+            {k: np.zeros((R, *v.shape), v.dtype) for k, v in params.items()},
+            np.zeros((R,), dtype),
+            np.zeros((R,), np.int32),
+            np.zeros((R,), dtype),
+        )
+
+    def run(
+        self,
+        state: TrainState,
+        batch: Microbatch,
+        scheme: Scheme | str | int,
+        *,
+        until_updates: int,
+        then_microbatches: int = 0,
+        constant_normalizer: float = 0.0,
+    ) -> TrainState:
+        """Run until `until_updates` updates are complete and, when `then_microbatches` > 0,
+        that many microbatches of the next window are accumulated (a mid-window stop).
+
+        `batch` is the laid-out global batch [R, M, B, T] (every update sees the same batch).
+        """
+        check_rank_axis(batch, self.world_size, "ResumableLoop")
+        if np.shape(batch.targets)[1] != self.accum_steps:
+            raise ValueError(
+                f"ResumableLoop: batch has M={np.shape(batch.targets)[1]} microbatches per "
+                f"rank, the loop was built for M={self.accum_steps}"
+            )
+        if not 0 <= then_microbatches < self.accum_steps:
+            raise ValueError(f"then_microbatches must be in [0, {self.accum_steps})")
+        target = (until_updates, then_microbatches)
+        while (state.updates_done, state.partial.done if state.partial else 0) < target:
+            stop = then_microbatches if state.updates_done == until_updates else self.accum_steps
+            state = self._window(state, batch, scheme, stop, constant_normalizer)
+        if (state.updates_done, state.partial.done if state.partial else 0) != target:
+            raise ValueError(
+                f"ResumableLoop: the state is past the requested stop {target} "
+                f"(updates_done={state.updates_done}, partial={bool(state.partial)})"
+            )
+        return state
+
+    def _window(self, state: TrainState, batch: Microbatch, scheme, stop: int, normalizer):
+        """Accumulate the window's microbatches [done, stop); complete the update at M."""
+        config, params = self.config, state.params
+        index = scheme_index(scheme)
+        dtype = jnp.dtype(np.asarray(batch.weights).dtype)
+        normalizer = jnp.asarray(normalizer, jax.tree.leaves(params)[0].dtype)
+        start = state.partial.done if state.partial else 0
+        if state.partial is None:
+            sums = self._zero_sums(params, dtype)
+        else:
+            p = state.partial
+            sums = _Sums(p.grad_sums, p.loss_sums, p.counts, p.weight_sums)
+        if config.strategy is Strategy.PRECOUNT:
+            D = _rank0(self._denominator(batch, index, normalizer))
+            if state.partial is not None and not np.array_equal(D, state.partial.denominator):
+                raise ValueError(
+                    f"resume: the window's D is {float(D)!r} here but {float(p.denominator)!r} "
+                    "in the saved partial window: not the batch, scheme or layout it was taken on"
+                )
+            s = reduce_factor(config.collective, self.world_size)
+            scale = jnp.asarray(s, D.dtype) / safe_denominator(D)
+        else:
+            D = jnp.zeros((), normalizer.dtype)
+            scale = jnp.ones((), dtype)
+        part = Microbatch(*(np.asarray(x)[:, start:stop] for x in batch))
+        sums = self._accumulate(params, part, sums, scale, index)
+        if stop < self.accum_steps:
+            partial = PartialWindow(stop, sums.grad_sums, sums.loss_sums, sums.counts,
+                                    sums.weight_sums, D)  # fmt: skip
+            return state._replace(partial=partial)
+        grads, D, loss = self._finish(sums, D, index, normalizer)
+        reduced = ReducedGradients(
+            grads=jax.tree.map(_rank0, grads),
+            rank_valid_tokens=jnp.sum(np.asarray(batch.targets) != -100, axis=(1, 2, 3)),
+            rank_loss_sums=sums.loss_sums,
+            global_denominator=_rank0(D),
+            loss=_rank0(loss),
+        )
+        out = apply_optimizer(reduced, params, state.opt_state, config)
+        return TrainState(out.params, out.opt_state, state.updates_done + 1, None)
+
+
+def state_arrays(state: TrainState) -> dict[str, Any]:
+    """The array part of a state as a tree of numpy arrays (what a checkpoint stores)."""
+    leaves = jax.tree.leaves(state.opt_state)
+    arrays: dict[str, Any] = {
+        "params": {k: np.asarray(v) for k, v in state.params.items()},
+        "opt_state": {f"leaf_{i:03d}": np.asarray(x) for i, x in enumerate(leaves)},
+    }
+    if state.partial is not None:
+        p = state.partial
+        arrays["partial"] = {
+            "grad_sums": {k: np.asarray(v) for k, v in p.grad_sums.items()},
+            "loss_sums": np.asarray(p.loss_sums),
+            "counts": np.asarray(p.counts),
+            "weight_sums": np.asarray(p.weight_sums),
+            "denominator": np.asarray(p.denominator),
+        }
+    return arrays
+
+
+def state_from_arrays(
+    arrays: Mapping[str, Any], template: TrainState, updates_done: int, microbatches_done: int
+) -> TrainState:
+    """Inverse of `state_arrays`: `template` (a state of this run) gives the optax tree."""
+    treedef = jax.tree.structure(template.opt_state)
+    opt_leaves = [arrays["opt_state"][f"leaf_{i:03d}"] for i in range(treedef.num_leaves)]
+    device = jax.tree.leaves(template.params)[0].devices().pop()
+    as_device = functools.partial(jax.device_put, device=device)
+    partial = None
+    if microbatches_done:
+        p = arrays["partial"]
+        partial = PartialWindow(
+            microbatches_done,
+            dict(p["grad_sums"]),
+            p["loss_sums"],
+            p["counts"],
+            p["weight_sums"],
+            p["denominator"],
+        )
+    return TrainState(
+        params={k: as_device(v) for k, v in arrays["params"].items()},
+        opt_state=jax.tree.unflatten(treedef, [as_device(x) for x in opt_leaves]),
+        updates_done=updates_done,
+        partial=partial,
+    )
+
+
+def save_train_state(
+    directory: str | Path, loop: ResumableLoop, state: TrainState, scheme: str, fingerprint: str
+) -> Path:
+    """Checkpoint `state` of `loop` atomically (orbax) to `directory`; returns the path.
+
+    `fingerprint` is `jax_impl.checkpoint.batch_fingerprint` of the global batch.
+    """
+    meta = CheckpointMeta(
+        scheme=Scheme.from_name(scheme).label,
+        strategy=loop.config.strategy.value,
+        collective=loop.config.collective.value,
+        world_size=loop.world_size,
+        accum_steps=loop.accum_steps,
+        dtype=str(jax.tree.leaves(state.params)[0].dtype),
+        batch_fingerprint=fingerprint,
+        updates_done=state.updates_done,
+        microbatches_done=state.partial.done if state.partial else 0,
+    )
+    return save_checkpoint(directory, state_arrays(state), meta)
+
+
+def restore_train_state(
+    directory: str | Path, loop: ResumableLoop, params: Params, scheme: str, fingerprint: str
+) -> TrainState:
+    """The state saved in `directory`, checked against this run, ready for `loop.run`.
+
+    `params` are initial params of this run (they give shapes and dtype, not values). Raises
+    CheckpointError naming the mismatch when the checkpoint is unfinalized, of another
+    scheme, strategy, dtype or batch, or stopped mid-window at another layout than `loop`'s.
+    """
+    meta = read_meta(directory)
+    template = loop.init(params)
+    here = {
+        "scheme": Scheme.from_name(scheme).label,
+        "strategy": loop.config.strategy.value,
+        "collective": loop.config.collective.value,
+        "dtype": str(jax.tree.leaves(template.params)[0].dtype),
+        "batch_fingerprint": fingerprint,
+    }
+    for field, value in here.items():
+        if getattr(meta, field) != value:
+            raise CheckpointError(
+                f"{directory}: checkpoint has {field}={getattr(meta, field)!r}, this run "
+                f"{field}={value!r}; a resume must continue the same objective"
+            )
+    layout, saved = (loop.world_size, loop.accum_steps), (meta.world_size, meta.accum_steps)
+    if meta.microbatches_done and layout != saved:
+        raise CheckpointError(
+            f"{directory}: stopped inside update {meta.updates_done + 1} after "
+            f"{meta.microbatches_done} of {meta.accum_steps} microbatches at R={saved[0]},"
+            f"M={saved[1]}; its partial sums are per rank and per microbatch of that layout, "
+            f"so it resumes only at R={saved[0]},M={saved[1]} (not R={layout[0]},M={layout[1]}). "
+            "Change the layout at a checkpoint taken between updates."
+        )
+    if meta.microbatches_done:
+        zeros = loop._zero_sums(template.params, template.params["embed"].dtype)
+        template = template._replace(
+            partial=PartialWindow(meta.microbatches_done, *zeros, np.zeros((), zeros[1].dtype))
+        )
+    arrays = read_arrays(directory, state_arrays(template))
+    return state_from_arrays(arrays, template, meta.updates_done, meta.microbatches_done)

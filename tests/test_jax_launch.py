@@ -1,0 +1,64 @@
+"""Every wait on a worker process is bounded: a crash or a hang fails fast, nothing lingers.
+
+The multi-process collective tests depend on this: a peer that dies leaves the others blocked
+in a collective, so the launcher must notice the death and stop them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jax_matrix import RUNNER_XLA_FLAGS
+
+from crosscheck import builtin_fixture
+from jax_impl.launch import LaunchError, run_workers
+from jax_impl.multiprocess import launch_multiprocess
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def test_workers_that_succeed_return_their_status(tmp_path: Path) -> None:
+    commands = [[sys.executable, "-c", f"print('worker {i}')"] for i in range(3)]
+    results = run_workers(commands, timeout_s=60, log_dir=tmp_path)
+    assert [r.returncode for r in results] == [0, 0, 0]
+    assert results[2].stdout_path.read_text().strip() == "worker 2"
+
+
+def test_a_crashed_worker_stops_the_others_at_once(tmp_path: Path) -> None:
+    crash = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit('boom')"]
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"worker\(s\) \[1\] failed") as error:
+        run_workers([SLEEPER, crash], timeout_s=120, log_dir=tmp_path)
+    assert time.monotonic() - start < 15  # not the sleeper's 120 s
+    assert "boom" in str(error.value) and "still running (killed)" in str(error.value)
+
+
+def test_a_hung_worker_is_killed_at_the_deadline(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"still running after 1 s"):
+        run_workers([SLEEPER, SLEEPER], timeout_s=1, log_dir=tmp_path)
+    assert time.monotonic() - start < 15
+
+
+def test_a_crashed_jax_distributed_process_does_not_hang_its_peer(tmp_path: Path) -> None:
+    """Process 1 dies right after joining; process 0 would wait in its first collective."""
+    path = builtin_fixture("packed").save(tmp_path / "packed.npz")
+    spec = {
+        "optimizer": {"name": "sgd", "learning_rate": 0.1},
+        "num_updates": 1,
+        "variants": [["precount", "psum"]],
+        "schemes": ["token_mean"],
+        "dtypes": ["float32"],
+        "cases": [{"fixture": str(path), "accum_steps": 1}],
+        "fail_process": 1,
+    }
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match=r"worker\(s\) \[1\] failed") as error:
+        launch_multiprocess(
+            spec, 2, tmp_path / "run", timeout_s=120, extra_xla_flags=RUNNER_XLA_FLAGS
+        )
+    assert "failing on purpose" in str(error.value)
+    assert time.monotonic() - start < 60

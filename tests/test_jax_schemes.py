@@ -1,0 +1,187 @@
+"""The JAX model, per-token loss and per-microbatch (a_t, d) against the numpy contract.
+
+Runs in float32 in this process (the float64 path of the same code is covered by the
+front-end matrix, tests/jax_matrix.py). Also: bad input fails with an error naming what and
+where, and ignored targets never produce a NaN.
+"""
+
+from __future__ import annotations
+
+import doctest
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_impl
+import jax_impl.losses
+from crosscheck import BUILTIN_FIXTURES, INTENDED_SCHEMES, builtin_fixture, get_scheme
+from crosscheck import random_fixture as make_random_fixture
+from crosscheck.oracle import token_terms
+
+# float32 against float64: a_t = 1/n and l_t are single roundings of O(1) values (~6e-8 each);
+# 1e-6 relative admits that and nothing a wrong group or count could produce (>= 1/T ~ 1e-3).
+F32_ELEMENT_RTOL = 1e-6
+
+
+def numpy_microbatches(fixture, R: int, M: int):
+    return [mb for _, _, mb in fixture.layout(R, M).microbatches()]
+
+
+FIXTURES = [*BUILTIN_FIXTURES, "random"]
+
+
+def get_fixture(name: str):
+    if name == "random":
+        return make_random_fixture(7, num_rows=12, seq_len=9, max_segments=4)
+    return builtin_fixture(name)
+
+
+@pytest.mark.parametrize("fixture_name", FIXTURES)
+def test_scheme_terms_match_the_contract(fixture_name: str) -> None:
+    """Every scheme's a_t and d, per microbatch, static and traced (lax.switch) alike."""
+    fixture = get_fixture(fixture_name)
+    M = 2 if fixture.num_rows % 2 == 0 else 1
+    laid_out = fixture.layout(1, M)
+    args = (laid_out.targets, laid_out.segment_ids, laid_out.weights.astype(np.float32))
+    switch_terms = jax.jit(jax_impl.scheme_terms)
+    for scheme_name in INTENDED_SCHEMES:
+        contract = get_scheme(scheme_name)
+        index = jnp.int32(jax_impl.Scheme.from_name(scheme_name))
+        # [1, M, B, T] stacks: both paths vectorize over the leading microbatch axes.
+        for terms in (jax_impl.scheme_terms(scheme_name, *args), switch_terms(index, *args)):
+            for _, m, mb in laid_out.microbatches():
+                np.testing.assert_allclose(
+                    terms.token_weights[0, m], contract.token_weights(mb), rtol=F32_ELEMENT_RTOL,
+                    err_msg=f"{fixture.name}/{scheme_name}: a_t of microbatch {m}",
+                )  # fmt: skip
+                d = int(terms.count[0, m]) + float(terms.weight_sum[0, m])
+                if scheme_name != "sum":  # sum: D fixed to 1, no d per microbatch
+                    assert d == pytest.approx(contract.denominator(mb), rel=F32_ELEMENT_RTOL), (
+                        f"{fixture.name}/{scheme_name}: d of microbatch {m} = {d}, contract "
+                        f"{contract.denominator(mb)}"
+                    )
+
+
+def test_counts_stay_in_the_integer_channel() -> None:
+    """Counting schemes carry d as int32 (exact past 2^24), weighted_mean as a float."""
+    mb = numpy_microbatches(builtin_fixture("packed"), 1, 1)[0]
+    args = (mb.targets, mb.segment_ids, mb.weights.astype(np.float32))
+    for scheme in jax_impl.Scheme:
+        terms = jax_impl.scheme_terms(scheme, *args)
+        assert terms.count.dtype == jnp.int32
+        if scheme is jax_impl.Scheme.WEIGHTED_MEAN:
+            assert int(terms.count) == 0 and float(terms.weight_sum) > 0
+        else:
+            assert float(terms.weight_sum) == 0
+
+
+def test_model_loads_numpy_params_and_matches_the_oracle_losses() -> None:
+    fixture = builtin_fixture("multimodal")
+    params = jax_impl.params_from_numpy(fixture.params(), jnp.float32)
+    model = jax_impl.BilinearLM(vocab_size=fixture.vocab_size, hidden_size=fixture.hidden_size)
+    initialized = model.init(jax.random.key(0), fixture.inputs[:1])["params"]
+    assert {k: v.shape for k, v in initialized.items()} == {
+        "embed": fixture.embed.shape,
+        "unembed": fixture.unembed.shape,
+    }
+    # The fixture's numpy dict is a valid params collection as it is (float32 without x64).
+    logits = model.apply({"params": fixture.params()}, fixture.inputs)
+    np.testing.assert_array_equal(logits, model.apply({"params": params}, fixture.inputs))
+    np.testing.assert_allclose(
+        logits, fixture.embed[fixture.inputs] @ fixture.unembed, rtol=1e-5, atol=1e-5
+    )  # float32 matmul of O(1) values over H = 12 terms
+    losses = jax_impl.token_losses(logits, fixture.targets)
+    expected = token_terms(fixture.params(), fixture.inputs, fixture.targets).losses
+    np.testing.assert_allclose(losses, expected, rtol=F32_ELEMENT_RTOL, atol=1e-6)
+
+
+def test_ignored_targets_give_zero_loss_and_finite_zero_gradients() -> None:
+    """A microbatch with no valid target: loss 0, d 0, gradient exactly 0, never NaN."""
+    fixture = builtin_fixture("empty-rank")
+    params = jax_impl.params_from_numpy(fixture.params(), jnp.float32)
+    rows = slice(4, 8)  # every target of these rows is ignored
+    mb = jax_impl.Microbatch(
+        fixture.inputs[rows], fixture.targets[rows], fixture.segment_ids[rows],
+        fixture.weights[rows].astype(np.float32),
+    )  # fmt: skip
+    assert (fixture.targets[rows] == jax_impl.IGNORE_INDEX).all()
+
+    @jax.jit
+    def loss_and_grads(p, scheme_index):
+        def loss_sum(p):
+            out = jax_impl.microbatch_loss(p, mb, scheme_index)
+            return out.loss_sum, out
+
+        return jax.value_and_grad(loss_sum, has_aux=True)(p)
+
+    for scheme in INTENDED_SCHEMES:
+        index = jnp.int32(jax_impl.Scheme.from_name(scheme))
+        (value, aux), grads = loss_and_grads(params, index)
+        d = int(aux.count) + float(aux.weight_sum)
+        assert float(value) == 0.0 and d == (4 * 32 if scheme == "constant" else 0), scheme
+        for name, g in grads.items():
+            assert np.isfinite(g).all() and not np.any(g), f"{scheme}: {name} gradient"
+    mean = jax_impl.local_mean_loss(params, mb)
+    assert float(mean) == 0.0
+
+
+def test_microbatch_loss_docstring_example() -> None:
+    failures, tried = doctest.testmod(jax_impl.losses, verbose=False)
+    assert tried > 0 and failures == 0
+
+
+def test_bad_input_names_what_and_where() -> None:
+    fixture = builtin_fixture("packed")
+    batch = {k: np.array(getattr(fixture, k)) for k in ("inputs", "targets", "segment_ids")}
+    batch["weights"] = np.array(fixture.weights)
+    V = fixture.vocab_size
+    batch["targets"][3, 5] = V + 2
+    with pytest.raises(ValueError, match=r"targets\[3, 5\] = 42"):
+        jax_impl.validate_global_batch(batch, V)
+    batch["targets"][3, 5] = -100
+    batch["inputs"][1, 2] = -1
+    with pytest.raises(ValueError, match=r"inputs\[1, 2\] = -1 is outside \[0, 40\)"):
+        jax_impl.validate_global_batch(batch, V)
+    batch["inputs"][1, 2] = 0
+    batch["weights"][0, 0] = np.nan
+    with pytest.raises(ValueError, match=r"weights\[0, 0\]"):
+        jax_impl.validate_global_batch(batch, V)
+    batch["weights"][0, 0] = 1.0
+    valid_row, valid_pos = (int(i) for i in np.argwhere(batch["targets"] != -100)[0])
+    batch["segment_ids"][valid_row, valid_pos] = 0
+    with pytest.raises(ValueError, match=rf"segment_ids\[{valid_row}, {valid_pos}\] = 0"):
+        jax_impl.validate_global_batch(batch, V)
+    batch["segment_ids"][valid_row, valid_pos] = 1
+    with pytest.raises(ValueError, match="8 rows cannot be split over world_size=3"):
+        jax_impl.lay_out_global_batch(batch, 3, 1, vocab_size=V)
+    with pytest.raises(ValueError, match="unknown scheme 'token-mean'"):
+        jax_impl.Scheme.from_name("token-mean")
+    with pytest.raises(ValueError, match=r"unknown scheme 9; known schemes: token_mean \(0\)"):
+        jax_impl.Scheme.from_name(9)
+    with pytest.raises(ValueError, match="embed must be"):
+        jax_impl.params_from_numpy({"embed": fixture.embed, "unembed": fixture.embed}, jnp.float32)
+    with pytest.raises(RuntimeError, match="world_size=9 needs 9 devices, found 8"):
+        jax_impl.require_devices(9)
+
+
+def test_configs_refuse_what_their_front_end_cannot_do() -> None:
+    import optax
+
+    with pytest.raises(ValueError, match="postnorm reduces unnormalized sums"):
+        jax_impl.StepConfig(optimizer=optax.sgd(0.1), strategy="postnorm", collective="pmean")
+    with pytest.raises(ValueError, match="'precount-ish' is not a valid Strategy"):
+        jax_impl.StepConfig(optimizer=optax.sgd(0.1), strategy="precount-ish")
+    config = jax_impl.StepConfig(optimizer=optax.sgd(0.1), collective="pmean")
+    with pytest.raises(ValueError, match="global-view jit writes the global sum directly"):
+        jax_impl.make_global_update(config, jax_impl.data_mesh(2))
+    batch = jax_impl.lay_out_global_batch(
+        {k: getattr(builtin_fixture("packed"), k) for k in ("inputs", "targets", "segment_ids",
+                                                            "weights")},
+        2, 1, vocab_size=40,
+    )  # fmt: skip
+    update = jax_impl.make_pmap_update(jax_impl.StepConfig(optimizer=optax.sgd(0.1)), 4)
+    params = jax_impl.params_from_numpy(builtin_fixture("packed").params(), jnp.float32)
+    with pytest.raises(ValueError, match=r"batch.inputs must be \[R=4, M, B, T\]"):
+        update(params, optax.sgd(0.1).init(params), batch, "token_mean")
