@@ -1,1 +1,66 @@
-"""PyTorch reference implementation of the normalization contract."""
+"""torch_impl: the PyTorch reference of gradweight's normalization contract.
+
+Per-scheme losses that return (sum of a_t l_t, d) per microbatch, one optimizer update under
+DistributedDataParallel with accumulation in two strategies (precount: all-reduce d first and
+backpropagate with s / D; postnorm: a comm hook that sums gradients and carries d in the same
+all-reduce), a probe that measures the reduce factor s, and a launcher that runs R real gloo
+processes with bounded waits. Atomic per-rank checkpoints (``torch_impl.checkpoint``) stop a
+run after an update or inside its accumulation window, and ``torch_impl.resume`` continues it
+in fresh processes, between updates possibly at another world size. FSDP2 lives in
+``torch_impl.fsdp`` (imported on demand: it pulls in DTensor). Written independently of the
+numpy oracle and of jax_impl.
+"""
+
+from torch_impl.batch import IGNORE_INDEX, BatchError, TokenBatch, rank_microbatches
+from torch_impl.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
+from torch_impl.launcher import LaunchTimeoutError, RankFailedError, launch
+from torch_impl.mean_loss import accumulate_mean_loss
+from torch_impl.model import BilinearLM
+from torch_impl.optimizers import OptimizerSpec, make_optimizer
+from torch_impl.partial import PartialAccumulation
+from torch_impl.probe import ReductionPath, probe_ddp, probe_reduction
+from torch_impl.resume import load_checkpoint, restore
+from torch_impl.schemes import SCHEMES, MicrobatchLoss, WeightingScheme, get_scheme, microbatch_loss
+from torch_impl.update import (
+    UpdateMetrics,
+    accumulate_partial,
+    accumulate_postnorm,
+    accumulate_precount,
+    clip_and_step,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SCHEMES",
+    "BatchError",
+    "BilinearLM",
+    "CheckpointError",
+    "LaunchTimeoutError",
+    "MicrobatchLoss",
+    "OptimizerSpec",
+    "PartialAccumulation",
+    "PostnormState",
+    "RankFailedError",
+    "ReductionPath",
+    "TokenBatch",
+    "UpdateMetrics",
+    "WeightingScheme",
+    "accumulate_mean_loss",
+    "accumulate_partial",
+    "accumulate_postnorm",
+    "accumulate_precount",
+    "clip_and_step",
+    "get_scheme",
+    "latest_checkpoint",
+    "launch",
+    "load_checkpoint",
+    "make_optimizer",
+    "microbatch_loss",
+    "probe_ddp",
+    "probe_reduction",
+    "rank_microbatches",
+    "restore",
+    "save_checkpoint",
+    "sum_and_carry_hook",
+]

@@ -1,0 +1,126 @@
+"""The launcher never hangs: a failing rank is named, a hung launch times out, both in bounded time.
+
+Each test starts a real two-process gloo group and breaks one rank in the middle of a postnorm
+update, after microbatch 0's backward and while rank 0 waits in the gradient all-reduce of the
+last microbatch: the situation in which an unbounded launcher would wait forever.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from crosscheck import builtin_fixture
+from torch_impl.batch import BATCH_KEYS, TokenBatch, rank_microbatches
+from torch_impl.cases import UpdateCase, run_cases
+from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
+from torch_impl.launcher import LaunchTimeoutError, RankFailedError, launch
+from torch_impl.model import BilinearLM
+from torch_impl.optimizers import OptimizerSpec
+from torch_impl.schemes import token_mean
+from torch_impl.update import accumulate_postnorm
+
+# Spawning two ranks that import torch takes ~5 s on the 2-core CI machine; everything past
+# that is the launcher's own detection (immediate for a raise, <= 2 s grace for a silent death).
+FAILURE_BOUND_S = 45.0
+
+
+def _bad_token_update(rank: int, world_size: int) -> list:
+    """An update through the case harness whose rank-1 microbatch 1 has an unknown target."""
+    fixture = builtin_fixture("packed")
+    batch = {key: np.array(getattr(fixture, key)) for key in BATCH_KEYS}
+    batch["targets"][6, 3] = 999  # R = 2, M = 2: rows 6-7 are rank 1's microbatch 1
+    case = UpdateCase(
+        label="bad-token",
+        batch=batch,
+        params=fixture.params(),
+        scheme="token_mean",
+        strategy="postnorm",
+        accum_steps=2,
+        optimizer=OptimizerSpec(name="sgd", learning_rate=0.1),
+    )
+    return run_cases(rank, world_size, [case])
+
+
+def _interrupted_update(rank: int, world_size: int, how: str) -> None:
+    """A postnorm update in which rank 1 raises, dies or hangs in microbatch 1 (`how`)."""
+    fixture = builtin_fixture("packed")
+    ddp = DistributedDataParallel(BilinearLM.from_numpy(fixture.params()))
+    state = PostnormState(rank=rank, world_size=world_size)
+    ddp.register_comm_hook(state, sum_and_carry_hook)
+    scheme = token_mean()
+
+    def weights(batch: TokenBatch) -> torch.Tensor:
+        if batch.rank == 1 and batch.microbatch == 1:
+            if how == "raise":
+                raise RuntimeError("injected failure after microbatch 0's backward")
+            if how == "exit":
+                os._exit(3)  # no traceback, no report: as a segfault or an OOM kill would
+            time.sleep(600)
+        return scheme.token_weights(batch)
+
+    batch = {key: getattr(fixture, key) for key in BATCH_KEYS}
+    microbatches = rank_microbatches(batch, rank, world_size, 2)
+    accumulate_postnorm(
+        ddp,
+        microbatches,
+        scheme._replace(token_weights=weights),
+        vocab_size=fixture.vocab_size,
+        hook_state=state,
+    )
+
+
+def test_rank_that_raises_mid_update_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        launch(_interrupted_update, 2, ("raise",), timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert failure.value.rank == 1
+    message = str(failure.value)
+    assert message.startswith("rank 1 failed")
+    assert "RuntimeError: injected failure after microbatch 0's backward" in message
+    assert elapsed < FAILURE_BOUND_S, f"took {elapsed:.1f} s"
+
+
+def test_bad_input_is_named_through_the_launcher() -> None:
+    with pytest.raises(RankFailedError) as failure:
+        launch(_bad_token_update, 2, timeout_s=120)
+    assert failure.value.rank == 1
+    assert (
+        "BatchError: rank 1, microbatch 1, row 0 (global row 6), position 3: "
+        "target 999 is neither -100 (ignored) nor in the vocabulary [0, 40)"
+    ) in str(failure.value)
+
+
+def test_rank_that_dies_silently_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as failure:
+        launch(_interrupted_update, 2, ("exit",), timeout_s=120)
+    elapsed = time.monotonic() - start
+    # Rank 0 then fails in the all-reduce; the root cause is still rank 1.
+    assert failure.value.rank == 1
+    assert "exited with code 3 without reporting a result" in str(failure.value)
+    assert elapsed < FAILURE_BOUND_S, f"took {elapsed:.1f} s"
+
+
+def test_hung_rank_hits_the_launch_deadline() -> None:
+    timeout_s = 8.0
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as failure:
+        # The collective timeout is longer than the launch's, so the deadline is what fires.
+        launch(_interrupted_update, 2, ("hang",), timeout_s=timeout_s, collective_timeout_s=120)
+    elapsed = time.monotonic() - start
+    assert 1 in failure.value.ranks
+    assert "did not finish within 8 s" in str(failure.value)
+    # The deadline plus the terminate-then-kill of the processes (at most a few seconds).
+    assert elapsed < timeout_s + 10, f"took {elapsed:.1f} s"
+
+
+def test_launch_rejects_an_empty_world() -> None:
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        launch(_bad_token_update, 0)

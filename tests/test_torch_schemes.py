@@ -1,0 +1,160 @@
+"""torch's per-microbatch (sum a_t l_t, d) against the numpy contract, and input validation.
+
+In-process, no process group: every microbatch of every built-in fixture under every layout
+with R, M in 1-4, each intended scheme, compared with crosscheck's token weights and
+denominators and the oracle's per-token losses. Bad inputs must fail naming the rank,
+microbatch, row and position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from crosscheck import BUILTIN_FIXTURES, INTENDED_SCHEMES, builtin_fixture, get_scheme
+from crosscheck.oracle import token_terms
+from torch_impl.batch import BATCH_KEYS, BatchError, rank_microbatches
+from torch_impl.cases import UpdateCase
+from torch_impl.model import BilinearLM, numpy_params
+from torch_impl.optimizers import OptimizerSpec
+from torch_impl.schemes import constant, microbatch_loss
+from torch_impl.schemes import get_scheme as torch_scheme
+
+# float64 throughout: the weights are exact (counts, 1/n, soft weights copied) and the loss
+# sum adds at most a few thousand O(1) terms in a different order: ~1e-13 relative at worst.
+RTOL = 1e-12
+
+FIXTURE_LAYOUTS = [
+    (name, R, M)
+    for name in BUILTIN_FIXTURES
+    for R, M in builtin_fixture(name).valid_layouts(max_world_size=4, max_accum_steps=4)
+]
+
+
+def _batch(fixture) -> dict[str, np.ndarray]:
+    return {key: getattr(fixture, key) for key in BATCH_KEYS}
+
+
+@pytest.mark.parametrize(
+    ("fixture", "world_size", "accum_steps"),
+    FIXTURE_LAYOUTS,
+    ids=[f"{f}-R{R}-M{M}" for f, R, M in FIXTURE_LAYOUTS],
+)
+@pytest.mark.parametrize("scheme", INTENDED_SCHEMES)
+def test_microbatch_terms_match_contract(
+    fixture: str, world_size: int, accum_steps: int, scheme: str
+) -> None:
+    fx = builtin_fixture(fixture)
+    model = BilinearLM.from_numpy(fx.params())
+    laid_out = fx.layout(world_size, accum_steps)
+    reference, ours = get_scheme(scheme), torch_scheme(scheme)
+    for rank in range(world_size):
+        for batch in rank_microbatches(_batch(fx), rank, world_size, accum_steps):
+            where = f"{fixture} R={world_size} M={accum_steps} {batch.where}"
+            mb = laid_out.microbatch(rank, batch.microbatch)
+            a = reference.token_weights(mb)
+            losses = token_terms(fx.params(), mb.inputs, mb.targets).losses
+            expected_sum = math.fsum((a * losses).ravel().tolist())
+            with torch.no_grad():
+                out = microbatch_loss(model, batch, ours, fx.vocab_size)
+            got = float(out.weighted_sum)
+            assert abs(got - expected_sum) <= RTOL * max(abs(expected_sum), 1.0), where
+            np.testing.assert_array_equal(ours.token_weights(batch).numpy(), a, err_msg=where)
+            if ours.fixed_denominator is None:
+                assert out.denominator == pytest.approx(reference.denominator(mb), rel=1e-15)
+            assert out.valid_tokens == int(mb.valid.sum())
+
+
+def test_fixed_denominators() -> None:
+    assert torch_scheme("sum").fixed_denominator == 1.0
+    assert torch_scheme("constant").fixed_denominator is None  # D = N T from the d's
+    assert constant(4096.0).fixed_denominator == 4096.0
+    with pytest.raises(ValueError, match="must be > 0"):
+        constant(0.0)
+    with pytest.raises(ValueError, match="unknown scheme 'rank_mean'"):
+        torch_scheme("rank_mean")
+
+
+def test_model_round_trips_params_and_names() -> None:
+    fx = builtin_fixture("packed")
+    model = BilinearLM.from_numpy(fx.params(), torch.float32)
+    assert [name for name, _ in model.named_parameters()] == ["embed", "unembed"]
+    assert model.embed.shape == (40, 12) and model.unembed.shape == (12, 40)
+    assert model.embed.dtype == torch.float32
+    back = numpy_params(model)
+    np.testing.assert_array_equal(back["embed"], fx.embed.astype(np.float32))
+    assert not fx.embed.flags.writeable  # the fixture stayed read-only; we copied
+
+
+def _bad_batch(**changes) -> dict[str, np.ndarray]:
+    batch = {key: np.array(value) for key, value in _batch(builtin_fixture("packed")).items()}
+    for key, (row, pos, value) in changes.items():
+        batch[key][row, pos] = value
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"targets": (5, 7, 40)},
+            "rank 1, microbatch 0, row 1 (global row 5), position 7: target 40 is neither -100",
+        ),
+        (
+            {"inputs": (2, 0, -1)},
+            "rank 0, microbatch 1, row 0 (global row 2), position 0: input token -1 is outside",
+        ),
+        (
+            {"weights": (7, 3, -0.5)},
+            "rank 1, microbatch 1, row 1 (global row 7), position 3: weight -0.5 must be finite",
+        ),
+        (
+            {"weights": (0, 1, np.nan)},
+            "rank 0, microbatch 0, row 0 (global row 0), position 1: weight nan must be finite",
+        ),
+        (
+            {"segment_ids": (3, 0, 0)},
+            "rank 0, microbatch 1, row 1 (global row 3), position 0: valid target in segment 0",
+        ),
+    ],
+)
+def test_bad_input_names_rank_microbatch_row_position(change: dict, message: str) -> None:
+    batch = _bad_batch(**change)
+    model = BilinearLM.from_numpy(builtin_fixture("packed").params())
+    with pytest.raises(BatchError) as failure:
+        for rank in range(2):
+            for mb in rank_microbatches(batch, rank, 2, 2):
+                microbatch_loss(model, mb, torch_scheme("token_mean"), 40)
+    assert message in str(failure.value)
+
+
+def test_layout_errors_say_what_and_why() -> None:
+    batch = _batch(builtin_fixture("packed"))
+    with pytest.raises(BatchError, match=r"8 rows .* world_size=3 x accum_steps=1"):
+        rank_microbatches(batch, 0, 3, 1)
+    with pytest.raises(BatchError, match="rank 2 is not in a world of size 2"):
+        rank_microbatches(batch, 2, 2, 1)
+    floats = dict(batch, targets=batch["targets"].astype(np.float64))
+    with pytest.raises(BatchError, match="targets must be integers"):
+        rank_microbatches(floats, 0, 1, 1)
+
+
+def test_case_options_are_checked_up_front() -> None:
+    fx = builtin_fixture("packed")
+    common = dict(
+        label="c",
+        batch=_batch(fx),
+        params=fx.params(),
+        scheme="token_mean",
+        accum_steps=1,
+        optimizer=OptimizerSpec(name="sgd", learning_rate=0.1),
+    )
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        UpdateCase(strategy="postnrom", **common)
+    with pytest.raises(ValueError, match="postnorm needs a DDP comm hook"):
+        UpdateCase(strategy="postnorm", front_end="fsdp2", **common)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        UpdateCase(strategy="precount", dtype="bfloat16", **common)

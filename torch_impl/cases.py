@@ -1,0 +1,309 @@
+"""Run many update cases on one process group: the per-rank side of a cross-check.
+
+Starting a process group costs seconds, so one launch per world size runs every case of that
+size: each case names a global batch, params, scheme, strategy, accumulation steps, dtype and
+optimizer, and every rank returns plain numpy results (reduced gradients, updated params,
+metrics) for the caller to compare with the oracle. Wrapped models are built once per
+(shape, dtype, front-end, reduction) and reused: loading a case's params copies into the same
+tensors, so DDP's buckets and comm hooks stay valid. Each wrapper's reduce factor is probed once.
+
+A case can also stop partway and save a checkpoint (``save_to``: after some updates, or inside
+an update's accumulation window), or start from one (``resume_from``) and continue: run the
+stop in one launch and the resume in a fresh one, possibly of another world size, and the
+resumed run's params can be compared with an uninterrupted run's (``torch_impl.checkpoint``,
+``torch_impl.resume``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from torch_impl.batch import TokenBatch, rank_microbatches
+from torch_impl.checkpoint import save_checkpoint
+from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
+from torch_impl.mean_loss import accumulate_mean_loss
+from torch_impl.model import BilinearLM, load_numpy_params, numpy_grads, numpy_params
+from torch_impl.optimizers import OptimizerSpec, make_optimizer
+from torch_impl.partial import PartialAccumulation
+from torch_impl.probe import ReductionPath, probe_ddp, probe_reduction
+from torch_impl.resume import load_checkpoint, restore
+from torch_impl.schemes import WeightingScheme, get_scheme
+from torch_impl.update import (
+    UpdateMetrics,
+    accumulate_partial,
+    accumulate_postnorm,
+    accumulate_precount,
+    clip_and_step,
+    metrics,
+)
+
+CaseStrategy = Literal["precount", "postnorm", "mean_loss"]
+FrontEnd = Literal["ddp", "fsdp2"]
+DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateCase:
+    """One cross-check case: `num_updates` consecutive updates on the same global batch."""
+
+    label: str
+    #: Global [N, T] arrays: inputs, targets, segment_ids, weights.
+    batch: Mapping[str, np.ndarray]
+    #: float64 ``embed`` [V, H] and ``unembed`` [H, V].
+    params: Mapping[str, np.ndarray]
+    #: A scheme name; ignored by ``mean_loss``, which is its own (accidental) weighting.
+    scheme: str
+    strategy: CaseStrategy
+    accum_steps: int
+    optimizer: OptimizerSpec
+    dtype: Literal["float64", "float32"] = "float64"
+    front_end: FrontEnd = "ddp"
+    #: FSDP2 only: None keeps its default (divide by R), 1.0 sums.
+    fsdp_divide_factor: float | None = None
+    num_updates: int = 1
+    max_grad_norm: float | None = None
+    #: precount's s; None takes the probed reduce factor. Set it to show a wrong s is caught.
+    reduce_factor: float | None = None
+    #: A checkpoint directory to start from instead of `params`; the run continues from the
+    #: saved position (possibly inside an update) to `num_updates`.
+    resume_from: str | None = None
+    #: Stop after this many complete updates, plus `stop_after_microbatches` (< accum_steps) of
+    #: the next one, and save a checkpoint to `save_to`. None: run to `num_updates`.
+    stop_after_updates: int | None = None
+    stop_after_microbatches: int = 0
+    save_to: str | None = None
+
+    def __post_init__(self) -> None:
+        choices = {
+            "strategy": ("precount", "postnorm", "mean_loss"),
+            "front_end": ("ddp", "fsdp2"),
+            "dtype": tuple(DTYPES),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"case {self.label!r}: {name} must be one of {allowed}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.strategy == "postnorm" and self.front_end != "ddp":
+            raise ValueError(
+                f"case {self.label!r}: postnorm needs a DDP comm hook; FSDP2 runs precount"
+            )
+        self._check_stop()
+
+    def _check_stop(self) -> None:
+        stops = self.stop_after_updates is not None
+        if stops != (self.save_to is not None):
+            raise ValueError(f"case {self.label!r}: stop_after_updates and save_to go together")
+        if (stops or self.resume_from is not None) and (
+            self.strategy == "mean_loss" or self.front_end != "ddp"
+        ):
+            raise ValueError(
+                f"case {self.label!r}: checkpoint resume is implemented for precount and "
+                "postnorm under DDP"
+            )
+        if not stops:
+            if self.stop_after_microbatches:
+                raise ValueError(f"case {self.label!r}: stop_after_microbatches needs a stop")
+            return
+        if not 0 <= self.stop_after_microbatches < self.accum_steps:
+            raise ValueError(
+                f"case {self.label!r}: stop_after_microbatches must be in [0, {self.accum_steps})"
+            )
+        # A stop inside an update needs that update to be part of the run.
+        last = self.num_updates - (1 if self.stop_after_microbatches else 0)
+        if not 0 <= self.stop_after_updates <= last:
+            raise ValueError(f"case {self.label!r}: stop_after_updates must be in [0, {last}]")
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateOutput:
+    """One update on one rank: reduced gradient before clipping, params after the step."""
+
+    grads: dict[str, np.ndarray]
+    params: dict[str, np.ndarray]
+    #: None for ``mean_loss``, which has no (a_t, d) to report.
+    metrics: UpdateMetrics | None
+    #: ``mean_loss`` only: this rank's per-microbatch mean losses (NaN where a microbatch
+    #: has no valid target).
+    mean_losses: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CaseOutput:
+    label: str
+    rank: int
+    #: What the wrapper's gradient reduction measured as (see torch_impl.probe).
+    reduction: ReductionPath
+    #: The s precount used (the probed factor unless the case overrode it).
+    reduce_factor: float
+    #: The updates this launch ran, in order.
+    updates: list[UpdateOutput] = field(default_factory=list)
+    #: How many updates were complete before `updates[0]` (a resumed run starts past 0).
+    first_update: int = 0
+
+
+@dataclass(slots=True)
+class _Wrapped:
+    model: nn.Module
+    reduction: ReductionPath
+    hook_state: PostnormState | None
+
+
+class _WrapperCache:
+    """One wrapped model per (V, H, dtype, front-end, reduction), built and probed once."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self._cache: dict[tuple, _Wrapped] = {}
+
+    def get(self, case: UpdateCase) -> _Wrapped:
+        vocab_size, hidden_size = np.asarray(case.params["embed"]).shape
+        hooked = case.strategy == "postnorm"
+        key = (vocab_size, hidden_size, case.dtype, case.front_end, hooked, case.fsdp_divide_factor)
+        if key not in self._cache:
+            self._cache[key] = self._build(case, hooked)
+        return self._cache[key]
+
+    def _build(self, case: UpdateCase, hooked: bool) -> _Wrapped:
+        dtype = DTYPES[case.dtype]
+        module = BilinearLM.from_numpy(case.params, dtype)
+        probe_inputs = torch.arange(module.vocab_size).view(1, -1)
+        if case.front_end == "fsdp2":
+            from torch_impl.fsdp import shard_fsdp2
+
+            reference = BilinearLM.from_numpy(case.params, dtype)
+            model = shard_fsdp2(
+                module, world_size=self.world_size, divide_factor=case.fsdp_divide_factor
+            )
+            return _Wrapped(model, probe_reduction(model, reference, probe_inputs), None)
+        model = DistributedDataParallel(module)
+        state = None
+        if hooked:
+            state = PostnormState(rank=self.rank, world_size=self.world_size)
+            model.register_comm_hook(state, sum_and_carry_hook)
+        return _Wrapped(model, probe_ddp(model, probe_inputs), state)
+
+
+def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) -> CaseOutput:
+    """Every update of one case on this rank (from a checkpoint, to a stop, when it says so)."""
+    model = wrapped.model
+    # A reused wrapper starts clean: no gradient left over from an earlier case's stop.
+    model.zero_grad(set_to_none=True)
+    load_numpy_params(model, case.params)
+    optimizer = make_optimizer(model.parameters(), case.optimizer)
+    microbatches = rank_microbatches(case.batch, rank, world_size, case.accum_steps)
+    vocab_size = int(np.asarray(case.params["embed"]).shape[0])
+    scheme = get_scheme(case.scheme) if case.strategy != "mean_loss" else None
+    s = wrapped.reduction.reduce_factor if case.reduce_factor is None else case.reduce_factor
+    first_update, partial = 0, None
+    if case.resume_from is not None:
+        state = load_checkpoint(
+            case.resume_from,
+            rank=rank,
+            world_size=world_size,
+            accum_steps=case.accum_steps,
+            strategy=case.strategy,
+            scheme=case.scheme,
+            dtype=case.dtype,
+        )
+        partial = restore(state, model, optimizer)
+        first_update = state.manifest.updates_done
+    stop = case.num_updates if case.stop_after_updates is None else case.stop_after_updates
+    resumed_at = (first_update, 0 if partial is None else partial.microbatches_done)
+    if (stop, case.stop_after_microbatches) < resumed_at:
+        raise ValueError(
+            f"case {case.label!r}: the stop comes before the checkpoint's position {resumed_at}"
+        )
+    output = CaseOutput(case.label, rank, wrapped.reduction, s, first_update=first_update)
+    for _ in range(first_update, stop):
+        mean_losses: list[float] = []
+        if case.strategy == "precount":
+            accumulated = accumulate_precount(
+                model, microbatches, scheme, vocab_size=vocab_size, reduce_factor=s, resume=partial
+            )
+        elif case.strategy == "postnorm":
+            accumulated = accumulate_postnorm(
+                model,
+                microbatches,
+                scheme,
+                vocab_size=vocab_size,
+                hook_state=wrapped.hook_state,
+                resume=partial,
+            )
+        else:
+            mean_losses = accumulate_mean_loss(model, microbatches, vocab_size=vocab_size)
+            accumulated = None
+        partial = None
+        grads = numpy_grads(model)
+        norm, clipped = clip_and_step(model, optimizer, case.max_grad_norm)
+        record = None
+        if accumulated is not None:
+            record = metrics(
+                accumulated,
+                rank=rank,
+                accum_steps=case.accum_steps,
+                scheme=scheme,
+                strategy=case.strategy,
+                grad_norm=norm,
+                clipped_grad_norm=clipped,
+            )
+        output.updates.append(UpdateOutput(grads, numpy_params(model), record, tuple(mean_losses)))
+    if case.save_to is not None:
+        _stop_and_save(case, model, optimizer, microbatches, scheme, s, partial)
+    return output
+
+
+def _stop_and_save(
+    case: UpdateCase,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    microbatches: list[TokenBatch],
+    scheme: WeightingScheme,
+    reduce_factor: float,
+    partial: PartialAccumulation | None,
+) -> None:
+    """Run the stop's first microbatches of the next update (if any), then checkpoint."""
+    if case.stop_after_microbatches:
+        partial = accumulate_partial(
+            model,
+            microbatches,
+            scheme,
+            strategy=case.strategy,
+            vocab_size=int(np.asarray(case.params["embed"]).shape[0]),
+            num_microbatches=case.stop_after_microbatches,
+            reduce_factor=reduce_factor,
+            resume=partial,
+        )
+    save_checkpoint(
+        case.save_to,
+        model,
+        optimizer,
+        updates_done=case.stop_after_updates,
+        accum_steps=case.accum_steps,
+        strategy=case.strategy,
+        scheme=case.scheme,
+        partial=partial,
+    )
+    # The run ends here; its partial gradient is in the checkpoint, not for the next case.
+    model.zero_grad(set_to_none=True)
+
+
+def run_cases(rank: int, world_size: int, cases: Sequence[UpdateCase]) -> list[CaseOutput]:
+    """Run `cases` in order on this rank of an initialized process group (a launcher target).
+
+    Every rank must receive the same cases: each one runs collectives.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(f"rank {rank}: run_cases needs an initialized process group")
+    torch.manual_seed(0)
+    wrappers = _WrapperCache(rank, world_size)
+    return [run_case(case, wrappers.get(case), rank, world_size) for case in cases]

@@ -1,0 +1,34 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) as a second front-end, on CPU with gloo.
+
+FSDP2 reduce-scatters gradients and divides them by R by default: the same averaging reduction
+as DDP, so precount needs s = R. ``set_gradient_divide_factor(1.0)`` makes it a plain sum and
+precount needs s = 1; torchtitan's ``disable_fsdp_gradient_division`` does exactly that before
+dividing by the global token count itself. Either way ``torch_impl.probe`` measures the factor.
+Accumulation uses ``set_requires_gradient_sync(False)`` on all but the last microbatch
+(``torch_impl.update.sync_context``). Parameters and gradients are DTensors sharded on dim 0;
+``torch_impl.model.numpy_params`` / ``numpy_grads`` all-gather them for comparison.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def shard_fsdp2(
+    module: nn.Module, *, world_size: int, divide_factor: float | None = None
+) -> nn.Module:
+    """Shard `module` in place over a 1-D CPU mesh of `world_size` ranks and return it.
+
+    `divide_factor` None keeps FSDP2's default (divide by R: a mean); 1.0 makes it a sum.
+    """
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(module, mesh=mesh)
+    if divide_factor is not None:
+        module.set_gradient_divide_factor(divide_factor)
+        # For float32/bf16 gradients FSDP2 implements a custom factor with
+        # ReduceOp.PREMUL_SUM, which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo");
+        # forcing SUM makes it reduce-scatter with SUM and divide separately (here by 1).
+        module.set_force_sum_reduction_for_comms(True)
+    return module

@@ -1,0 +1,368 @@
+r"""One optimizer update under data parallelism with accumulation: precount and postnorm.
+
+One update sees R ranks x M microbatches. Every microbatch returns
+:math:`(\sum_t a_t l_t,\ d)` (``torch_impl.schemes``) and the update must leave
+
+.. math::
+
+    g = \frac{1}{D} \sum_{r, m} \nabla \sum_{t \in (r, m)} a_t l_t, \qquad D = \sum_{r, m} d
+
+in every rank's ``.grad``. The gradient all-reduce runs once, in the backward pass of the last
+microbatch; the others run under ``no_sync()`` (DDP) or ``set_requires_gradient_sync(False)``
+(FSDP2) and only accumulate locally. Two strategies get there:
+
+precount
+    D first: every rank sums its d over its M microbatches (labels only), one all-reduce makes
+    D global, then each microbatch backpropagates :math:`(\sum_t a_t l_t)\, s / D`. The wrapper
+    divides the summed gradient by its reduce factor f, so the result is
+    :math:`\frac{s}{f D} \sum \nabla(\ldots)`: right exactly when s = f. DDP averages, so
+    s = R; s comes from ``torch_impl.probe`` rather than being assumed.
+postnorm
+    Backpropagate the unnormalized sums; a comm hook sums the buckets (no division) and carries
+    every rank's d in the same all-reduce (``torch_impl.comm_hooks``); divide by D afterwards.
+
+Then clipping by the global norm of the fully accumulated, fully reduced gradient, never per
+microbatch (BUGS.md clip-per-microbatch, transformers#986), and the optimizer step.
+
+An update can also stop inside its accumulation window (``accumulate_partial``) and continue
+later, in fresh processes, from a ``PartialAccumulation`` plus the restored local ``.grad``
+(``resume=``): the checkpoint resume of ``torch_impl.checkpoint``. Both paths run the same
+microbatch loop in the same order, so a resumed update is the uninterrupted one, bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_impl.batch import TokenBatch
+from torch_impl.comm_hooks import PostnormState
+from torch_impl.exact_carry import all_ranks_values
+from torch_impl.model import _full
+from torch_impl.partial import PartialAccumulation, ResumeMismatchError, Strategy, starting_point
+from torch_impl.schemes import WeightingScheme, global_denominator, microbatch_loss
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UpdateMetrics:
+    """What one update computed, as seen from one rank (the per-rank tuples are global)."""
+
+    rank: int
+    world_size: int
+    accum_steps: int
+    scheme: str
+    strategy: str
+    #: Valid targets of every rank over its M microbatches, [R].
+    rank_valid_tokens: tuple[int, ...]
+    #: sum_t a_t l_t of every rank over its M microbatches, [R].
+    rank_loss_sums: tuple[float, ...]
+    #: sum of d of every rank over its M microbatches, [R].
+    rank_denominators: tuple[float, ...]
+    #: D for the update.
+    global_denominator: float
+    #: L = sum of the loss sums / D (0 when D = 0: no token carries weight).
+    objective: float
+    #: Global L2 norm of the reduced gradient, before and after clipping.
+    grad_norm: float
+    clipped_grad_norm: float
+
+    @property
+    def local_valid_tokens(self) -> int:
+        return self.rank_valid_tokens[self.rank]
+
+    @property
+    def global_valid_tokens(self) -> int:
+        return sum(self.rank_valid_tokens)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Accumulated:
+    """The state after the backward passes of one update, before clipping."""
+
+    rank_valid_tokens: tuple[int, ...]
+    rank_loss_sums: tuple[float, ...]
+    rank_denominators: tuple[float, ...]
+    global_denominator: float
+
+
+def sync_context(model: nn.Module, is_last: bool) -> contextlib.AbstractContextManager:
+    """Accumulate locally unless this is the last microbatch (DDP and FSDP2 alike)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+    if is_last or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def _parameters(model: nn.Module) -> Iterator[torch.Tensor]:
+    return (p for p in model.parameters() if p.requires_grad)
+
+
+def _inverse_or_zero(denominator: float) -> float:
+    # D = 0 only when no token of the update carries weight; then every a_t = 0, the
+    # objective is the empty sum and its gradient is zero: scale by 0, never divide 0/0.
+    return 0.0 if denominator == 0 else 1.0 / denominator
+
+
+def _validate(microbatches: Sequence[TokenBatch], vocab_size: int) -> None:
+    # Before any collective: a bad token fails on its own rank, with its position, before any
+    # rank waits on it.
+    for batch in microbatches:
+        batch.validate(vocab_size)
+
+
+def _precount_counts(
+    microbatches: Sequence[TokenBatch],
+    scheme: WeightingScheme,
+    start: PartialAccumulation,
+    group: dist.ProcessGroup | None,
+) -> tuple[PartialAccumulation, float]:
+    """The count collective of precount: every rank's (sum of d, valid targets), and D."""
+    local_d = math.fsum(scheme.denominator(batch) for batch in microbatches)
+    local_valid = sum(int(batch.valid.sum()) for batch in microbatches)
+    counts = tuple(
+        (float(d), float(n)) for d, n in all_ranks_values([local_d, local_valid], group=group)
+    )
+    if start.rank_counts and start.rank_counts != counts:
+        raise ResumeMismatchError(
+            f"rank {dist.get_rank(group)}: the interrupted update counted (d, valid tokens) "
+            f"per rank {list(start.rank_counts)}, its batch now gives {list(counts)}: "
+            "the resumed update does not see the batch it started on"
+        )
+    D = global_denominator(scheme, [d for d, _ in counts])
+    return dataclasses.replace(start, rank_counts=counts), D
+
+
+def _backward_microbatches(
+    model: nn.Module,
+    microbatches: Sequence[TokenBatch],
+    scheme: WeightingScheme,
+    vocab_size: int,
+    start: PartialAccumulation,
+    stop: int,
+    *,
+    scale: float | None,
+    hook_state: PostnormState | None,
+) -> PartialAccumulation:
+    """Forward and backward microbatches [start.microbatches_done, stop) and add their sums.
+
+    Only microbatch M - 1, the update's last, synchronizes gradients. `scale` multiplies each
+    weighted sum (precount's s / D; None: unnormalized, postnorm). For postnorm the hook is
+    armed with this rank's totals over all M microbatches just before that last backward.
+    """
+    d, loss, valid = start.local_denominator, start.local_loss_sum, start.local_valid_tokens
+    last = len(microbatches) - 1
+    for step in range(start.microbatches_done, stop):
+        with sync_context(model, step == last):
+            out = microbatch_loss(model, microbatches[step], scheme, vocab_size)
+            d += out.denominator
+            loss += float(out.weighted_sum.detach())
+            valid += out.valid_tokens
+            if hook_state is not None and step == last:
+                # Known before the last backward: the hook reads them while reducing.
+                hook_state.arm(d, loss, valid)
+            (out.weighted_sum if scale is None else out.weighted_sum * scale).backward()
+    return dataclasses.replace(
+        start,
+        microbatches_done=stop,
+        local_denominator=d,
+        local_loss_sum=loss,
+        local_valid_tokens=valid,
+    )
+
+
+def accumulate_precount(
+    model: nn.Module,
+    microbatches: Sequence[TokenBatch],
+    scheme: WeightingScheme,
+    *,
+    vocab_size: int,
+    reduce_factor: float,
+    group: dist.ProcessGroup | None = None,
+    resume: PartialAccumulation | None = None,
+) -> Accumulated:
+    """precount: all-reduce d first, then backpropagate (sum a_t l_t) * s / D, s = reduce_factor.
+
+    With `resume`, the update continues where ``accumulate_partial`` stopped; the caller has
+    restored that run's local ``.grad``.
+    """
+    _validate(microbatches, vocab_size)
+    start = starting_point(resume, "precount", len(microbatches))
+    start, D = _precount_counts(microbatches, scheme, start, group)
+    scale = reduce_factor * _inverse_or_zero(D)
+    done = _backward_microbatches(
+        model,
+        microbatches,
+        scheme,
+        vocab_size,
+        start,
+        len(microbatches),
+        scale=scale,
+        hook_state=None,
+    )
+    # Metrics only (the objective's value); a loop that does not log it can skip this.
+    loss_sums = tuple(v for (v,) in all_ranks_values([done.local_loss_sum], group=group))
+    return Accumulated(
+        rank_valid_tokens=tuple(int(n) for _, n in done.rank_counts),
+        rank_loss_sums=loss_sums,
+        rank_denominators=tuple(d for d, _ in done.rank_counts),
+        global_denominator=D,
+    )
+
+
+def accumulate_postnorm(
+    model: nn.Module,
+    microbatches: Sequence[TokenBatch],
+    scheme: WeightingScheme,
+    *,
+    vocab_size: int,
+    hook_state: PostnormState,
+    resume: PartialAccumulation | None = None,
+) -> Accumulated:
+    """postnorm: backpropagate sum a_t l_t; the hook sums and carries d; divide by D after.
+
+    `model` must be a DDP model with ``sum_and_carry_hook`` registered with `hook_state`.
+    With `resume`, the update continues where ``accumulate_partial`` stopped; the caller has
+    restored that run's local ``.grad``, and the partial sums of d carry on from `resume`.
+    """
+    _validate(microbatches, vocab_size)
+    start = starting_point(resume, "postnorm", len(microbatches))
+    _backward_microbatches(
+        model,
+        microbatches,
+        scheme,
+        vocab_size,
+        start,
+        len(microbatches),
+        scale=None,
+        hook_state=hook_state,
+    )
+    per_rank = hook_state.take()
+    denominators = tuple(d for d, _, _ in per_rank)
+    D = global_denominator(scheme, list(denominators))
+    with torch.no_grad():
+        for param in _parameters(model):
+            if param.grad is None:
+                continue
+            # D = 0: every a_t was 0 and the sums are exact zeros; zero them, never 0/0.
+            # Dividing (not multiplying by 1/D) is one rounding, not two.
+            if D:
+                param.grad.div_(D)
+            else:
+                param.grad.zero_()
+    return Accumulated(
+        rank_valid_tokens=tuple(int(n) for _, _, n in per_rank),
+        rank_loss_sums=tuple(s for _, s, _ in per_rank),
+        rank_denominators=denominators,
+        global_denominator=D,
+    )
+
+
+def accumulate_partial(
+    model: nn.Module,
+    microbatches: Sequence[TokenBatch],
+    scheme: WeightingScheme,
+    *,
+    strategy: Strategy,
+    vocab_size: int,
+    num_microbatches: int,
+    reduce_factor: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    resume: PartialAccumulation | None = None,
+) -> PartialAccumulation:
+    """Run only the first `num_microbatches` (< M) of an update and stop, mid-window.
+
+    Every one of them runs without gradient sync, so ``.grad`` holds this rank's local,
+    unreduced accumulation and nothing has crossed ranks except precount's count collective.
+    That, plus the returned sums, is what a mid-accumulation checkpoint saves; passing the
+    result as ``resume=`` to ``accumulate_precount``/``accumulate_postnorm`` (after restoring
+    ``.grad``) finishes the update.
+    """
+    if not 0 < num_microbatches < len(microbatches):
+        raise ValueError(
+            f"a partial update stops after 1 to {len(microbatches) - 1} of its "
+            f"{len(microbatches)} microbatches, got {num_microbatches}"
+        )
+    _validate(microbatches, vocab_size)
+    start = starting_point(resume, strategy, num_microbatches)
+    scale = None
+    if strategy == "precount":
+        if reduce_factor is None:
+            raise ValueError("precount needs its reduce_factor s for a partial update too")
+        start, D = _precount_counts(microbatches, scheme, start, group)
+        scale = reduce_factor * _inverse_or_zero(D)
+    elif strategy != "postnorm":
+        raise ValueError(f"strategy must be 'precount' or 'postnorm', got {strategy!r}")
+    return _backward_microbatches(
+        model,
+        microbatches,
+        scheme,
+        vocab_size,
+        start,
+        num_microbatches,
+        scale=scale,
+        hook_state=None,
+    )
+
+
+def global_grad_norm(model: nn.Module) -> float:
+    """L2 norm over every parameter's (reduced) gradient."""
+    grads = [p.grad for p in _parameters(model) if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(_full(torch.nn.utils.get_total_norm(grads)))
+
+
+def clip_and_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
+) -> tuple[float, float]:
+    """Clip the reduced gradient by its global norm (torch convention), then step.
+
+    ``clip_grad_norm_`` multiplies by min(1, c / (norm + 1e-6)), unlike optax, which scales
+    only when norm > c; crosscheck's ``clip_convention="torch"`` models this one.
+    Returns (norm before clipping, norm after).
+    """
+    if max_grad_norm is None:
+        norm = global_grad_norm(model)
+    else:
+        norm = float(_full(torch.nn.utils.clip_grad_norm_(list(_parameters(model)), max_grad_norm)))
+    clipped = global_grad_norm(model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, clipped
+
+
+def metrics(
+    accumulated: Accumulated,
+    *,
+    rank: int,
+    accum_steps: int,
+    scheme: WeightingScheme,
+    strategy: str,
+    grad_norm: float,
+    clipped_grad_norm: float,
+) -> UpdateMetrics:
+    """The per-update record of one rank."""
+    D = accumulated.global_denominator
+    return UpdateMetrics(
+        rank=rank,
+        world_size=len(accumulated.rank_valid_tokens),
+        accum_steps=accum_steps,
+        scheme=scheme.name,
+        strategy=strategy,
+        rank_valid_tokens=accumulated.rank_valid_tokens,
+        rank_loss_sums=accumulated.rank_loss_sums,
+        rank_denominators=accumulated.rank_denominators,
+        global_denominator=D,
+        objective=math.fsum(accumulated.rank_loss_sums) * _inverse_or_zero(D),
+        grad_norm=grad_norm,
+        clipped_grad_norm=clipped_grad_norm,
+    )
