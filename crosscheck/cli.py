@@ -1,15 +1,15 @@
 """`python -m crosscheck`: the command line.
 
-`run` checks the built-in fixtures: it first shows the seed example's per-token weights (the
-9x of a per-rank mean), then the oracle gradient of every scheme under every layout the
-fixture allows against the single-device gradient. Exit status 0 only when every row is what
-the contract expects (intended schemes identical, accidental ones finite and reported).
+`run` is the main job: it shows the seed example's per-token weights (the 9x of a per-rank
+mean), then runs every implementation on the built-in fixtures across layouts and strategies
+and compares gradients and updates with the oracle and with each other. Exit status 0 only
+when every row is what the contract expects: intended schemes match; accidental ones match the
+accident they are (and their deviation from the token mean is shown).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -17,12 +17,18 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture
-from crosscheck.invariance import CaseResult, layout_invariance
+from crosscheck.cases import STRATEGIES, Case
+from crosscheck.catalogue import builtin_fixture
+from crosscheck.fixtures import Fixture
+from crosscheck.matrix import Plan, run_matrix
 from crosscheck.oracle import loss_and_grad
-from crosscheck.schemes import SCHEMES, get_scheme
+from crosscheck.plot import plot_effective_weights
+from crosscheck.report import print_results, summary_line, write_json, write_update_log
+from crosscheck.runners import IMPLEMENTATIONS
+from crosscheck.schemes import get_scheme
 
 
 def _int_list(text: str) -> list[int]:
@@ -47,17 +53,29 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check that loss normalization weights tokens the way it should.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run the checks on the built-in fixtures")
-    run.add_argument(
-        "--fixture", type=_name_list, default=None, help="fixture names, comma-separated"
+    run = commands.add_parser(
+        "run",
+        help="run every implementation on the built-in fixtures and compare with the oracle",
     )
+    run.add_argument("--fixture", type=_name_list, help="fixture names, comma-separated")
+    run.add_argument("--schemes", type=_name_list, help="scheme names, comma-separated")
     run.add_argument(
-        "--schemes", type=_name_list, default=None, help="scheme names, comma-separated"
+        "--impls", type=_name_list, help=f"oracle, {', '.join(IMPLEMENTATIONS)} (default: all)"
     )
-    run.add_argument("--impls", type=_name_list, default=["oracle"], help="implementations")
-    run.add_argument("--world-sizes", type=_int_list, default=[1, 2, 3, 4, 8])
-    run.add_argument("--accum", type=_int_list, default=[1, 2, 3, 4])
-    run.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    run.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4])
+    run.add_argument("--accum", type=_int_list, default=[1, 2])
+    run.add_argument("--strategies", type=_name_list, default=list(STRATEGIES))
+    run.add_argument("--dtypes", type=_name_list, default=["float64"])
+    run.add_argument(
+        "--no-world-size-change",
+        action="store_true",
+        help="skip the (1,4), (2,2), (4,1) world-size-change rows",
+    )
+    run.add_argument("--no-resume", action="store_true", help="skip the checkpoint-resume rows")
+    run.add_argument("--rows", choices=("group", "case"), default="group")
+    run.add_argument("--json", type=Path, help="write every row as JSON here")
+    run.add_argument("--log", type=Path, help="write per-rank per-update metrics as JSONL here")
+    run.add_argument("--plot", type=Path, help="write a PNG of effective per-token weights here")
     return parser
 
 
@@ -85,75 +103,88 @@ def seed_weights_table() -> Table:
     return table
 
 
-def results_table(rows: list[CaseResult]) -> Table:
-    table = Table(title="oracle gradient under each layout vs the single-device gradient")
-    for column in ("fixture", "scheme", "layouts", "max rel err", "max weight ratio", "result"):
-        table.add_column(column, justify="left" if column in ("fixture", "scheme") else "right")
-    groups: dict[tuple[str, str], list[CaseResult]] = {}
-    for row in rows:
-        groups.setdefault((row.fixture, row.scheme), []).append(row)
-    for (fixture, scheme), group in groups.items():
-        err = max(r.max_rel_err for r in group)
-        ok = all(r.ok for r in group)
-        intended = get_scheme(scheme).intended
-        verdict = (
-            ("[green]identical[/]" if intended else "[yellow]differs (expected)[/]")
-            if ok
-            else "[red]FAIL[/]"
-        )
-        if not intended and ok and err == 0.0:
-            verdict = "[green]identical here[/]"
-        table.add_row(
-            fixture,
-            scheme,
-            str(len(group)),
-            f"{err:.2e}",
-            f"{max(r.weight_ratio for r in group):.3g}",
-            verdict,
-        )
-    return table
+def _plan(args: argparse.Namespace) -> Plan:
+    plan = Plan(
+        world_sizes=args.world_sizes,
+        accum_steps=args.accum,
+        strategies=args.strategies,
+        dtypes=args.dtypes,
+        world_size_change=not args.no_world_size_change,
+        resume=not args.no_resume,
+    )
+    if args.fixture:
+        plan.fixtures = args.fixture
+    if args.schemes:
+        plan.schemes = [get_scheme(name).name for name in args.schemes]
+    if args.impls:
+        plan.impls = args.impls
+    plan.validate()
+    return plan
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
     started = time.perf_counter()
-    unknown = [impl for impl in args.impls if impl != "oracle"]
-    if unknown:
-        console.print(f"[red]unknown implementation(s) {unknown}; available: oracle[/]")
-        return 2
     try:
-        fixtures = [builtin_fixture(name) for name in args.fixture or BUILTIN_FIXTURES]
-        schemes = [get_scheme(name).name for name in args.schemes or SCHEMES]
+        plan = _plan(args)
     except ValueError as error:
         console.print(f"[red]crosscheck run: {error}[/]")
         return 2
-    if any(fixture.name == "seed" for fixture in fixtures):
+    if "seed" in plan.fixtures:
         console.print(seed_weights_table())
-    rows: list[CaseResult] = []
-    for fixture in fixtures:
-        layouts = [
-            (R, M)
-            for R, M in fixture.valid_layouts(max(args.world_sizes), max(args.accum))
-            if R in args.world_sizes and M in args.accum
-        ]
-        for scheme in schemes:
-            rows.extend(layout_invariance(fixture, scheme, layouts))
-    console.print(results_table(rows))
-    ok = all(row.ok for row in rows)
-    failed = sum(not row.ok for row in rows)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("running cases", total=None)
+
+        def on_progress(done: int, total: int, case: Case | None) -> None:
+            label = case.describe() if case else "starting processes"
+            progress.update(task, completed=done, total=total, description=label)
+
+        result = run_matrix(plan, on_progress)
+    print_results(console, result.rows, per_case=args.rows == "case")
     wall = time.perf_counter() - started
-    console.print(
-        f"{len(rows)} cases, {failed} failed, {wall:.1f} s wall: "
-        + ("[green]OK[/]" if ok else "[red]FAILED[/]")
-    )
+    console.print(summary_line(result.rows, wall))
     if args.json is not None:
-        payload = {"ok": ok, "wall_s": wall, "results": [row.to_json() for row in rows]}
-        args.json.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
-    return 0 if ok else 1
+        write_json(args.json, result.rows, wall, {"plan": _plan_record(plan)})
+    if args.log is not None:
+        count = write_update_log(args.log, result.metrics())
+        console.print(f"wrote {count} per-update records to {args.log}")
+    if args.plot is not None:
+        fixture = builtin_fixture(plan.fixtures[0])
+        R, M = _plot_layout(fixture)
+        plot_effective_weights(fixture, args.plot, R, M)
+        console.print(f"wrote {args.plot} ({fixture.name}, R={R}, M={M})")
+    return 0 if all(row.ok for row in result.rows) else 1
+
+
+def _plan_record(plan: Plan) -> dict:
+    return {
+        "fixtures": plan.fixtures,
+        "schemes": plan.schemes,
+        "impls": plan.impls,
+        "world_sizes": plan.world_sizes,
+        "accum_steps": plan.accum_steps,
+        "strategies": plan.strategies,
+        "dtypes": plan.dtypes,
+    }
+
+
+def _plot_layout(fixture: Fixture) -> tuple[int, int]:
+    """The layout that shows both accidents: 2 ranks x 2 microbatches where it fits."""
+    for layout in ((2, 2), (2, 1), (1, 2)):
+        if layout in fixture.valid_layouts():
+            return layout
+    return (1, 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = Console(width=None if sys.stdout.isatty() else 140)
     # A 0/0 anywhere in the reference is a bug: raise rather than carry a silent NaN.
     np.seterr(divide="raise", invalid="raise")
     if args.command == "run":

@@ -8,40 +8,13 @@ at layout (R, M) with the gradient at (1, 1), the single-device reference.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import numpy as np
 
+from crosscheck.cases import CaseResult
 from crosscheck.compare import FLOAT64_RTOL, tree_rel_err
 from crosscheck.fixtures import Fixture
 from crosscheck.oracle import loss_and_grad
 from crosscheck.schemes import get_scheme
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CaseResult:
-    """One row of a run: an implementation's gradient on one fixture, scheme and layout."""
-
-    fixture: str
-    scheme: str
-    impl: str
-    strategy: str
-    world_size: int
-    accum_steps: int
-    #: Worst-leaf relative error against the reference (inf when non-finite).
-    max_rel_err: float
-    #: Whether this row is what the contract expects: intended schemes match, accidental differ.
-    ok: bool
-    #: What the row checks against, in words.
-    reference: str
-    #: The largest over the smallest effective per-token weight among valid tokens.
-    weight_ratio: float
-
-    def to_json(self) -> dict:
-        record = asdict(self)
-        if not np.isfinite(self.max_rel_err):
-            record["max_rel_err"] = None  # JSON has no inf; null means non-finite
-        return record
 
 
 def weight_ratio(token_weights: np.ndarray, valid: np.ndarray) -> float:
@@ -67,12 +40,14 @@ def layout_invariance(
         ok = err <= FLOAT64_RTOL if scheme.intended else bool(np.isfinite(err))
         rows.append(
             CaseResult(
+                check="layout-invariance",
                 fixture=fixture.name,
                 scheme=scheme.name,
                 impl="oracle",
                 strategy="closed-form",
                 world_size=R,
                 accum_steps=M,
+                dtype="float64",
                 max_rel_err=err,
                 ok=ok,
                 reference="oracle at R=1,M=1",

@@ -20,10 +20,10 @@ RESULT_KEYS = {
 }
 
 
-def test_run_writes_the_documented_json_and_exits_zero(tmp_path):
+def test_oracle_run_writes_the_documented_json_and_exits_zero(tmp_path):
     out = tmp_path / "out.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "crosscheck", "run", "--json", str(out)],
+        [sys.executable, "-m", "crosscheck", "run", "--impls", "oracle", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -33,14 +33,14 @@ def test_run_writes_the_documented_json_and_exits_zero(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["ok"] is True
     assert len(payload["results"]) > 100
+    assert {r["check"] for r in payload["results"]} == {"layout-invariance", "clipping"}
     for row in payload["results"]:
         assert set(row) >= RESULT_KEYS
         assert isinstance(row["max_rel_err"], float) and row["ok"] is True
-    intended = [r for r in payload["results"] if r["scheme"] == "token_mean"]
+    invariance = [r for r in payload["results"] if r["check"] == "layout-invariance"]
+    intended = [r for r in invariance if r["scheme"] == "token_mean"]
     assert max(r["max_rel_err"] for r in intended) <= 1e-12
-    seed_rank = [
-        r for r in payload["results"] if r["fixture"] == "seed" and r["scheme"] == "rank_mean"
-    ]
+    seed_rank = [r for r in invariance if r["fixture"] == "seed" and r["scheme"] == "rank_mean"]
     assert max(r["max_rel_err"] for r in seed_rank) > 0.1  # the accidental scheme's deviation
 
 
@@ -57,12 +57,14 @@ def test_run_filters_fixtures_schemes_and_layouts(tmp_path):
             "1,2",
             "--accum",
             "2",
+            "--impls",
+            "oracle",
             "--json",
             str(out),
         ]
     )
     assert code == 0
-    rows = json.loads(out.read_text())["results"]
+    rows = [r for r in json.loads(out.read_text())["results"] if r["check"] != "clipping"]
     assert {(r["scheme"], r["world_size"], r["accum_steps"]) for r in rows} == {
         ("token_mean", 1, 2),
         ("token_mean", 2, 2),
@@ -80,3 +82,14 @@ def test_run_refuses_an_unknown_scheme_with_the_known_ones():
     )
     assert completed.returncode != 0
     assert "unknown scheme 'mean'" in completed.stderr + completed.stdout
+
+
+def test_run_refuses_an_unknown_implementation():
+    completed = subprocess.run(
+        [sys.executable, "-m", "crosscheck", "run", "--impls", "jax-xla"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode == 2
+    assert "unknown implementation 'jax-xla'" in completed.stdout

@@ -1,0 +1,152 @@
+"""Terminal tables, the JSON report and the per-update JSONL log of a run.
+
+The terminal shows one table per kind of check. By default rows are grouped (vs-oracle rows by
+scheme and implementation, over fixtures, strategies and layouts; see GROUP_BY) with the worst
+error of the group; `--rows case` prints one row per case instead. The JSON holds every row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from crosscheck.cases import Case, CaseResult, RankMetrics
+from crosscheck.compare import RTOL_BY_DTYPE
+from crosscheck.schemes import get_scheme
+
+CHECK_TITLES = {
+    "layout-invariance": "oracle: gradient under each layout vs the single-device gradient",
+    "vs-oracle": "implementations vs the oracle (gradient and params after the last update)",
+    "cross-impl": "implementations vs each other (gradients)",
+    "world-size-change": "world-size change: same global batch, R x M fixed, same update?",
+    "resume": "checkpoint resume vs an uninterrupted run",
+    "clipping": "clipping placement",
+}
+
+
+def _verdict(rows: list[CaseResult]) -> str:
+    if not all(r.ok for r in rows):
+        return "[red]FAIL[/]"
+    if rows[0].check == "clipping" or (
+        rows[0].check in ("layout-invariance", "world-size-change")
+        and not get_scheme(rows[0].scheme).intended
+    ):
+        # An accidental scheme moves with the layout, except where the layouts compared split
+        # the batch into the same microbatches (microbatch_mean at fixed R x M). Clipping per
+        # microbatch moves the update only where a norm exceeds the threshold.
+        tol = 2 * RTOL_BY_DTYPE[rows[0].dtype]
+        if max(r.max_rel_err for r in rows) > tol:
+            return "[yellow]differs, as expected[/]"
+        return "[green]same here[/]"
+    return "[green]pass[/]"
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+#: What rows of each check are grouped by in the default (grouped) table.
+GROUP_BY: dict[str, tuple[str, ...]] = {
+    "layout-invariance": ("scheme",),
+    "vs-oracle": ("scheme", "impl"),
+    "cross-impl": ("scheme",),
+    "world-size-change": ("scheme", "impl"),
+    "resume": ("impl", "strategy"),
+    "clipping": ("strategy",),
+}
+COLUMNS = ("fixture", "scheme", "impl", "strategy")
+
+
+def _collapse(values: set[str], noun: str) -> str:
+    return next(iter(values)) if len(values) == 1 else f"{len(values)} {noun}"
+
+
+def results_table(check: str, rows: list[CaseResult], per_case: bool) -> Table:
+    table = Table(title=CHECK_TITLES.get(check, check), title_justify="left")
+    columns = [*COLUMNS, *(("R", "M", "dtype") if per_case else ("cases",))]
+    columns += ["max rel err", "vs token_mean", "weight ratio", "result"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in COLUMNS else "right")
+    key_fields = (*COLUMNS, "world_size", "accum_steps", "dtype") if per_case else GROUP_BY[check]
+    groups: dict[tuple, list[CaseResult]] = {}
+    for row in rows:
+        groups.setdefault(tuple(getattr(row, f) for f in key_fields), []).append(row)
+    for group in groups.values():
+        deviations = [r.deviation for r in group if r.deviation is not None]
+        cells = [
+            _collapse({getattr(r, field) for r in group}, field.rstrip("s") + "s")
+            for field in COLUMNS
+        ]
+        if per_case:
+            cells += [str(group[0].world_size), str(group[0].accum_steps), group[0].dtype]
+        else:
+            cells.append(str(len(group)))
+        cells += [
+            _fmt(max(r.max_rel_err for r in group)),
+            _fmt(max(deviations)) if deviations else "-",
+            f"{max(r.weight_ratio for r in group):.3g}",
+            _verdict(group),
+        ]
+        table.add_row(*cells)
+    return table
+
+
+def print_results(console: Console, rows: list[CaseResult], per_case: bool = False) -> None:
+    by_check: dict[str, list[CaseResult]] = {}
+    for row in rows:
+        by_check.setdefault(row.check, []).append(row)
+    for check, group in by_check.items():
+        console.print(results_table(check, group, per_case))
+    failures = [r for r in rows if not r.ok]
+    for row in failures[:20]:
+        console.print(
+            f"[red]FAIL[/] {row.check} {row.impl} {row.fixture}/{row.scheme} {row.strategy} "
+            f"R={row.world_size} M={row.accum_steps} {row.dtype}: {row.detail}"
+        )
+    if len(failures) > 20:
+        console.print(f"[red]... and {len(failures) - 20} more failures (see --json)[/]")
+
+
+def summary_line(rows: list[CaseResult], wall_s: float) -> str:
+    failed = sum(not r.ok for r in rows)
+    accidental = sum(not get_scheme(r.scheme).intended for r in rows if r.ok)
+    verdict = "[green]OK[/]" if not failed else "[red]FAILED[/]"
+    return (
+        f"{len(rows)} rows, {failed} failed ({accidental} rows of accidental schemes behaved "
+        f"as the accident predicts): {verdict}   wall time {wall_s:.1f} s"
+    )
+
+
+def write_json(path: Path, rows: list[CaseResult], wall_s: float, meta: dict[str, Any]) -> None:
+    payload = {
+        "ok": all(r.ok for r in rows),
+        "wall_s": round(wall_s, 3),
+        **meta,
+        "results": [r.to_json() for r in rows],
+    }
+    path.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+
+
+def write_update_log(path: Path, metrics: Iterable[tuple[Case, RankMetrics]]) -> int:
+    """One JSON record per rank per update; returns the number of records."""
+    count = 0
+    with path.open("w") as log:
+        for case, m in metrics:
+            record = {
+                "impl": case.impl,
+                "fixture": case.fixture,
+                "scheme": case.scheme,
+                "strategy": case.strategy,
+                "world_size": case.world_size,
+                "accum_steps": case.accum_steps,
+                "dtype": case.dtype,
+                **m._asdict(),
+            }
+            log.write(json.dumps(record, allow_nan=False) + "\n")
+            count += 1
+    return count

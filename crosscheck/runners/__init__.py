@@ -1,0 +1,38 @@
+"""The implementations the harness can run, and the framework each belongs to.
+
+Each framework's runner module is imported only when one of its implementations is asked for:
+crosscheck itself needs neither JAX nor torch. A runner module provides
+``supports(case) -> bool`` and ``run(cases, settings, on_done)``, which reports every case it
+was given through ``on_done(case, output_or_error)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+#: implementation name -> framework
+IMPLEMENTATIONS: dict[str, str] = {
+    "jax-pmap": "jax",
+    "jax-shard_map": "jax",
+    "jax-jit": "jax",
+    "jax-multiprocess": "jax",
+    "torch-ddp": "torch",
+    "torch-fsdp2": "torch",
+}
+
+_MODULES = {"jax": "crosscheck.runners.jax_runner", "torch": "crosscheck.runners.torch_runner"}
+
+
+def framework_of(impl: str) -> str:
+    try:
+        return IMPLEMENTATIONS[impl]
+    except KeyError:
+        raise ValueError(
+            f"unknown implementation {impl!r}; known: oracle, {', '.join(IMPLEMENTATIONS)}"
+        ) from None
+
+
+def runner_for(framework: str) -> ModuleType:
+    """The runner module of a framework, imported now (it imports the framework)."""
+    return importlib.import_module(_MODULES[framework])
