@@ -60,6 +60,7 @@ GROUP_BY: dict[str, tuple[str, ...]] = {
     "clipping": ("strategy",),
 }
 COLUMNS = ("fixture", "scheme", "impl", "strategy")
+PLURALS = {"fixture": "fixtures", "scheme": "schemes", "impl": "impls", "strategy": "strategies"}
 
 
 def _collapse(values: set[str], noun: str) -> str:
@@ -78,10 +79,7 @@ def results_table(check: str, rows: list[CaseResult], per_case: bool) -> Table:
         groups.setdefault(tuple(getattr(row, f) for f in key_fields), []).append(row)
     for group in groups.values():
         deviations = [r.deviation for r in group if r.deviation is not None]
-        cells = [
-            _collapse({getattr(r, field) for r in group}, field.rstrip("s") + "s")
-            for field in COLUMNS
-        ]
+        cells = [_collapse({getattr(r, field) for r in group}, PLURALS[field]) for field in COLUMNS]
         if per_case:
             cells += [str(group[0].world_size), str(group[0].accum_steps), group[0].dtype]
         else:
