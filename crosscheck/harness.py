@@ -84,6 +84,21 @@ def _metrics_problem(case: Case, output: CaseOutput, expected: tuple[UpdateRecor
     return ""
 
 
+def _vs_oracle_row(case: Case, **judgement) -> CaseResult:
+    """A vs-oracle row: the case's coordinates plus what was found."""
+    return CaseResult(
+        check="vs-oracle",
+        fixture=case.fixture,
+        scheme=case.scheme,
+        impl=case.impl,
+        strategy=case.strategy,
+        world_size=case.world_size,
+        accum_steps=case.accum_steps,
+        dtype=case.dtype,
+        **judgement,
+    )
+
+
 def compare_with_oracle(case: Case, output: CaseOutput, settings: TrainSettings) -> CaseResult:
     """One row: the case's gradient and final params against the oracle's."""
     scheme = get_scheme(case.scheme)
@@ -101,15 +116,8 @@ def compare_with_oracle(case: Case, output: CaseOutput, settings: TrainSettings)
         intended = oracle_run(case, settings, scheme="token_mean")
         deviation = tree_rel_err(output.grads, intended[0].result.grads).max_rel_err
     fixture = builtin_fixture(case.fixture)
-    return CaseResult(
-        check="vs-oracle",
-        fixture=case.fixture,
-        scheme=case.scheme,
-        impl=case.impl,
-        strategy=case.strategy,
-        world_size=case.world_size,
-        accum_steps=case.accum_steps,
-        dtype=case.dtype,
+    return _vs_oracle_row(
+        case,
         max_rel_err=worst.max_rel_err,
         ok=worst.max_rel_err <= rtol and not problem,
         reference=f"oracle {case.scheme}, gradient and params after {settings.num_updates} updates",
@@ -122,15 +130,8 @@ def compare_with_oracle(case: Case, output: CaseOutput, settings: TrainSettings)
 
 def failed_case(case: Case, error: BaseException | str) -> CaseResult:
     """A row for a case whose implementation raised or produced nothing."""
-    return CaseResult(
-        check="vs-oracle",
-        fixture=case.fixture,
-        scheme=case.scheme,
-        impl=case.impl,
-        strategy=case.strategy,
-        world_size=case.world_size,
-        accum_steps=case.accum_steps,
-        dtype=case.dtype,
+    return _vs_oracle_row(
+        case,
         max_rel_err=float("inf"),
         ok=False,
         reference="oracle",

@@ -41,6 +41,7 @@ from jax_impl.update import (
     check_sweep,
     check_sweep_params,
     scheme_index,
+    single_config,
     with_optimizer,
 )
 
@@ -155,12 +156,7 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 def make_global_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:
     """gradients(params, batch [R, M, B, T], scheme, constant_normalizer) -> ReducedGradients."""
-    sweep = make_global_sweep([config], mesh)
-
-    def gradients(params: Params, *args, **kwargs) -> ReducedGradients:
-        return sweep([params], *args, **kwargs)[0]
-
-    return gradients
+    return single_config(make_global_sweep([config], mesh))
 
 
 def make_global_update(config: StepConfig, mesh: Mesh) -> UpdateFn:

@@ -26,6 +26,7 @@ from jax_impl.update import (
     check_sweep,
     check_sweep_params,
     scheme_index,
+    single_config,
     with_optimizer,
 )
 
@@ -83,12 +84,7 @@ def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
 
 def make_pmap_gradients(config: StepConfig, world_size: int) -> GradientsFn:
     """gradients(params, batch [R, M, B, T], scheme, constant_normalizer) -> ReducedGradients."""
-    sweep = make_pmap_sweep([config], world_size)
-
-    def gradients(params: Params, *args, **kwargs) -> ReducedGradients:
-        return sweep([params], *args, **kwargs)[0]
-
-    return gradients
+    return single_config(make_pmap_sweep([config], world_size))
 
 
 def make_pmap_update(config: StepConfig, world_size: int) -> UpdateFn:

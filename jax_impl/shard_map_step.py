@@ -34,6 +34,7 @@ from jax_impl.update import (
     check_sweep,
     check_sweep_params,
     scheme_index,
+    single_config,
     with_optimizer,
 )
 
@@ -148,12 +149,7 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
 
 def make_shard_map_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:
     """gradients(params, batch, scheme, constant_normalizer) -> ReducedGradients."""
-    sweep = make_shard_map_sweep([config], mesh)
-
-    def gradients(params: Params, *args, **kwargs) -> ReducedGradients:
-        return sweep([params], *args, **kwargs)[0]
-
-    return gradients
+    return single_config(make_shard_map_sweep([config], mesh))
 
 
 def make_shard_map_update(config: StepConfig, mesh: Mesh) -> UpdateFn:

@@ -179,6 +179,15 @@ def apply_optimizer(
     return UpdateResult(params, opt_state, reduced.grads, metrics)
 
 
+def single_config(sweep: SweepFn) -> GradientsFn:
+    """gradients(params, ...) of a sweep built from one config: its only result."""
+
+    def gradients(params: Params, *args, **kwargs) -> ReducedGradients:
+        return sweep([params], *args, **kwargs)[0]
+
+    return gradients
+
+
 def with_optimizer(gradients: GradientsFn, config: StepConfig) -> UpdateFn:
     """update(params, opt_state, batch, scheme, constant_normalizer=0.0) -> UpdateResult.
 
