@@ -1,12 +1,14 @@
 """crosscheck: does a loss weight tokens the way it should under data parallelism?
 
 The framework-neutral side of gradweight: the normalization contract (schemes), fixtures and
-layouts, the float64 oracle with its update math, comparison, and the command line. The JAX
-and torch implementations live in `jax_impl` and `torch_impl` and are imported only when run.
+layouts, the float64 oracle with its update math, comparison, diagnosis of any gradient's
+weighting, and the command line. The JAX and torch implementations live in `jax_impl` and
+`torch_impl` and are imported only when run.
 """
 
 from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture, random_fixture
 from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, tree_rel_err
+from crosscheck.diagnose import Diagnosis, diagnose
 from crosscheck.fixtures import Fixture, FixtureError
 from crosscheck.layout import IGNORE_INDEX, LaidOutBatch, Layout, Microbatch
 from crosscheck.optimizers import AdamWConfig, SGDConfig, clip_by_global_norm, train
@@ -29,6 +31,7 @@ __all__ = [
     "INTENDED_SCHEMES",
     "SCHEMES",
     "AdamWConfig",
+    "Diagnosis",
     "Fixture",
     "FixtureError",
     "LaidOutBatch",
@@ -40,6 +43,7 @@ __all__ = [
     "assert_tree_close",
     "builtin_fixture",
     "clip_by_global_norm",
+    "diagnose",
     "effective_weights",
     "get_scheme",
     "loss_and_grad",

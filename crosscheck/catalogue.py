@@ -126,12 +126,36 @@ def ragged_fixture() -> Fixture:
         length = int(rng.integers(max(2, scale // 2), scale + 1))
         prompt = int(rng.integers(0, length)) if rng.random() < 0.6 else 0
         writer.document(row, 0, length, segment=1, num_ignored=prompt)
+    _redraw_duplicate_rows(writer, np.random.default_rng(33))
     return writer.build(
         "ragged",
         "row lengths and ignored prompt spans that differ widely between ranks and "
         "microbatches of every layout up to (4, 4)",
         rng,
     )
+
+
+def _redraw_duplicate_rows(writer: _RowWriter, rng: np.random.Generator) -> None:
+    """Redraw the tokens of any row whose (input, target) pairs repeat an earlier row's.
+
+    Two one-document rows with the same valid pairs have the same gradient contribution, so
+    the diagnosis could not tell their weights apart (its least-squares system would lose
+    full column rank). Lengths and prompt spans stay as drawn.
+    """
+    seen: set[tuple] = set()
+    for row in range(writer.targets.shape[0]):
+        while True:
+            valid = writer.targets[row] != IGNORE_INDEX
+            inputs, targets = writer.inputs[row][valid], writer.targets[row][valid]
+            pairs = tuple(sorted(zip(inputs.tolist(), targets.tolist(), strict=True)))
+            if not pairs or pairs not in seen:
+                seen.add(pairs)
+                break
+            span = writer.segment_ids[row] > 0
+            length = int(span.sum())
+            tokens = rng.integers(0, writer.text_vocab, size=length + 1)
+            writer.inputs[row, :length] = tokens[:-1]
+            writer.targets[row, :length] = np.where(valid[:length], tokens[1:], IGNORE_INDEX)
 
 
 def empty_rank_fixture() -> Fixture:
@@ -195,6 +219,58 @@ def soft_weights_fixture() -> Fixture:
     )
 
 
+def packed_wide_fixture() -> Fixture:
+    """16 rows of 48 packing 1-6 documents with prompts: a second packing trap for diagnosis."""
+    rng = np.random.default_rng(7)
+    num_rows, seq_len = 16, 48
+    writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE)
+    for row in range(num_rows):
+        start = 0
+        for segment in range(1, int(rng.integers(1, 7)) + 1):
+            length = int(min(rng.integers(2, 16), seq_len - start))
+            if length < 2:
+                break
+            writer.document(row, start, length, segment, num_ignored=int(rng.integers(0, 3)))
+            start += length
+    return writer.build(
+        "packed-wide",
+        "rows packing one to six documents, each with a short ignored prompt",
+        rng,
+    )
+
+
+#: Total multiplicity of a dedup fixture: odd and above 2^24, so no float32 number equals it.
+DEDUP_MIN_TOTAL = 2**24 + 1
+
+
+def _dedup(base: Fixture, name: str, seed: int) -> Fixture:
+    """`base` with integer token multiplicities as weights, summing to an odd total > 2^24.
+
+    A deduplicated corpus weighs each kept token by how often it occurred, so the weighted
+    mean's denominator is a token count of a 16M-token batch while only a few hundred tokens
+    are computed. Each multiplicity is below 2^24 (exact in float32); their sum is not.
+    """
+    rng = np.random.default_rng(seed)
+    valid = base.targets != IGNORE_INDEX
+    n_valid = int(valid.sum())
+    per_token = DEDUP_MIN_TOTAL // n_valid + 1
+    weights = np.zeros(base.targets.shape, dtype=np.float64)
+    weights[valid] = rng.integers(per_token, 2 * per_token, size=n_valid)
+    if int(weights.sum()) % 2 == 0:
+        weights[np.argwhere(valid)[0][0], np.argwhere(valid)[0][1]] += 1
+    return Fixture(
+        name=name,
+        description=f"{base.name} with integer token multiplicities summing to "
+        f"{int(weights.sum())} > 2^24: a float32 count of them is inexact",
+        inputs=base.inputs,
+        targets=base.targets,
+        segment_ids=base.segment_ids,
+        weights=weights,
+        embed=base.embed,
+        unembed=base.unembed,
+    )
+
+
 BUILTIN_FIXTURES: dict[str, Callable[[], Fixture]] = {
     "seed": seed_fixture,
     "packed": packed_fixture,
@@ -205,15 +281,22 @@ BUILTIN_FIXTURES: dict[str, Callable[[], Fixture]] = {
 }
 
 
+#: Fixtures the bug catalogue needs beyond the default matrix's: a second packed batch, and
+#: token counts past 2^24 for float32-count (built from seed and packed by multiplicities).
+DIAGNOSIS_FIXTURES: dict[str, Callable[[], Fixture]] = {
+    "packed-wide": packed_wide_fixture,
+    "dedup-seed": lambda: _dedup(seed_fixture(), "dedup-seed", 24),
+    "dedup-packed": lambda: _dedup(packed_fixture(), "dedup-packed", 25),
+}
+
+
 @cache
 def builtin_fixture(name: str) -> Fixture:
-    """A built-in fixture by name (built once; fixtures are read-only)."""
-    try:
-        builder = BUILTIN_FIXTURES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown fixture {name!r}; built-in fixtures: {', '.join(BUILTIN_FIXTURES)}"
-        ) from None
+    """A built-in fixture by name, default-matrix or diagnosis (built once; read-only)."""
+    builder = BUILTIN_FIXTURES.get(name) or DIAGNOSIS_FIXTURES.get(name)
+    if builder is None:
+        known = ", ".join([*BUILTIN_FIXTURES, *DIAGNOSIS_FIXTURES])
+        raise ValueError(f"unknown fixture {name!r}; built-in fixtures: {known}")
     return builder()
 
 

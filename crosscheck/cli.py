@@ -76,6 +76,32 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", type=Path, help="write every row as JSON here")
     run.add_argument("--log", type=Path, help="write per-rank per-update metrics as JSONL here")
     run.add_argument("--plot", type=Path, help="write a PNG of effective per-token weights here")
+    bugs = commands.add_parser(
+        "bugs",
+        help="run every known bug pattern in torch and JAX; check each is detected and named",
+    )
+    bugs.add_argument("--frameworks", type=_name_list, default=["torch", "jax"], help="torch, jax")
+    bugs.add_argument("--patterns", type=_name_list, help="pattern ids (default: all)")
+    bugs.add_argument("--json", type=Path, help="write the results as JSON here")
+    export = commands.add_parser(
+        "export-vectors",
+        help="write portable .npz test vectors and a manifest for every fixture and scheme",
+    )
+    export.add_argument("directory", type=Path, help="output directory (created if missing)")
+    verify = commands.add_parser(
+        "verify",
+        help="check your own training step (MODULE:FUNCTION) against the oracle and diagnose it",
+    )
+    verify.add_argument("--framework", choices=("torch", "jax"), required=True)
+    verify.add_argument("--step", required=True, help="MODULE:FUNCTION, importable from here")
+    verify.add_argument("--scheme", required=True, help="the scheme the step is meant to compute")
+    verify.add_argument("--fixtures", type=_name_list, help="default: packed,ragged")
+    verify.add_argument("--world-sizes", type=_int_list, help="default layouts: see README")
+    verify.add_argument("--accum", type=_int_list)
+    verify.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds before a step counts as hung"
+    )
+    verify.add_argument("--json", type=Path, help="write the report as JSON here")
     return parser
 
 
@@ -189,4 +215,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     np.seterr(divide="raise", invalid="raise")
     if args.command == "run":
         return run(args, console)
+    if args.command == "bugs":
+        return bugs(args, console)
+    if args.command == "export-vectors":
+        from crosscheck.vectors import export_vectors
+
+        written = export_vectors(args.directory)
+        console.print(
+            f"wrote {len(written.files)} files, {written.num_bytes} bytes; "
+            f"manifest {written.manifest_path}"
+        )
+        return 0
+    if args.command == "verify":
+        from crosscheck.verify_report import verify_command
+
+        return verify_command(args, console)
     raise AssertionError(args.command)
+
+
+def bugs(args: argparse.Namespace, console: Console) -> int:
+    from crosscheck.bug_report import print_catalogue, write_catalogue_json
+    from crosscheck.bugs import run_catalogue
+
+    started = time.perf_counter()
+    unknown = [fw for fw in args.frameworks if fw not in ("torch", "jax")]
+    if unknown:
+        console.print(
+            f"[red]crosscheck bugs: unknown framework {unknown[0]!r}; known: torch, jax[/]"
+        )
+        return 2
+    try:
+        with console.status("running the buggy steps in torch and JAX processes"):
+            result = run_catalogue(tuple(args.frameworks), args.patterns)
+    except ValueError as error:
+        console.print(f"[red]crosscheck bugs: {error}[/]")
+        return 2
+    print_catalogue(console, result)
+    wall = time.perf_counter() - started
+    console.print(f"wall time {wall:.1f} s")
+    if args.json is not None:
+        write_catalogue_json(args.json, result, wall)
+    return 0 if result.ok else 1

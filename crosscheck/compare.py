@@ -6,6 +6,7 @@ NaN or inf anywhere in `a` makes the error inf, so NaN never passes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -90,3 +91,8 @@ def assert_tree_close(
     if not worst.max_rel_err <= rtol:
         raise AssertionError(f"{what}: {worst.describe()} exceeds {rtol:.0e}")
     return worst.max_rel_err
+
+
+def finite_or_none(value: float) -> float | None:
+    """A float for JSON: JSON has no NaN or inf, so a non-finite value becomes null."""
+    return float(value) if math.isfinite(value) else None

@@ -78,6 +78,25 @@ def weighted_grad(params: Params, inputs: np.ndarray, targets: np.ndarray, c: np
     return {"embed": d_embed, "unembed": d_unembed}
 
 
+def token_jacobian(params: Params, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Every valid token's own gradient of l_t, flattened: [valid tokens, V H + H V].
+
+    Row i is d l_t / d(embed, unembed) for the i-th valid token in [N, T] order, with the
+    embed block first (the order of sorted parameter names). For any weights c,
+    ``c[valid] @ J`` is `weighted_grad` flattened: diagnosis fits against these rows.
+    """
+    embed = np.asarray(params["embed"], dtype=np.float64)
+    unembed = np.asarray(params["unembed"], dtype=np.float64)
+    valid = targets != IGNORE_INDEX
+    errors = token_terms(params, inputs, targets).errors[valid]  # e_t, [n, V]
+    x = inputs[valid]
+    n, (V, H) = x.size, embed.shape
+    d_embed = np.zeros((n, V, H))
+    d_embed[np.arange(n), x] = errors @ unembed.T  # only row x_t of embed: U e_t
+    d_unembed = embed[x][:, :, None] * errors[:, None, :]  # E[x_t]^T e_t, [n, H, V]
+    return np.concatenate([d_embed.reshape(n, -1), d_unembed.reshape(n, -1)], axis=1)
+
+
 class OracleResult(NamedTuple):
     """The objective of one update over the whole global batch, and what went into it."""
 

@@ -1,0 +1,91 @@
+"""`python -m crosscheck bugs`: the catalogue table, the sensitivity lines and the JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from crosscheck.bugs import SKEW, SKEW_FIXTURE, SKEW_LAYOUT, CatalogueRun
+from crosscheck.compare import RTOL_BY_DTYPE
+
+
+def _num(value: float, spec: str) -> str:
+    return format(value, spec) if math.isfinite(value) else "inf"
+
+
+def catalogue_table(run: CatalogueRun) -> Table:
+    table = Table(title="bug catalogue: each buggy step, verified and diagnosed")
+    for column, justify in (
+        ("pattern", "left"),
+        ("framework", "left"),
+        ("fixture", "left"),
+        ("layout", "left"),
+        ("detected", "center"),
+        ("diagnosed as", "left"),
+        ("weight ratio", "right"),
+        ("scale", "right"),
+        ("vs intended", "right"),
+        ("result", "right"),
+    ):
+        # Pattern names are the point of the table: never cut them.
+        table.add_column(
+            column, justify=justify, no_wrap=column in ("pattern", "fixture", "diagnosed as")
+        )
+    for r in run.results:
+        table.add_row(
+            r.run.pattern,
+            r.run.framework,
+            r.run.fixture,
+            f"R={r.run.world_size},M={r.run.accum_steps}",
+            "yes" if r.detected else "[red]no[/]",
+            r.diagnosed_as if r.diagnosed_as == r.run.pattern else f"[red]{r.diagnosed_as}[/]",
+            _num(r.weight_ratio, ".4g"),
+            _num(r.scale, ".6g"),
+            _num(r.intended_error, ".2e"),
+            "[green]named[/]" if r.ok else f"[red]FAIL[/] {r.error[:60]}",
+        )
+    return table
+
+
+def skew_lines(run: CatalogueRun) -> list[str]:
+    R, M = SKEW_LAYOUT
+    lines = [
+        f"minimum detectable per-rank skew on {SKEW_FIXTURE} (R={R}, M={M}), rank 0's token "
+        "weights scaled: "
+        + ", ".join(
+            f"{dtype} 1 + {value - 1:.2e} (tolerance {RTOL_BY_DTYPE[dtype]:.0e})"
+            for dtype, value in run.minimum_skew.items()
+        )
+    ]
+    for s in run.skews:
+        mark = "flagged" if s.flagged else "passes"
+        lines.append(
+            f"  {s.run.framework} {s.run.dtype} skew 1 + {s.run.skew - 1:.2e}: relative error "
+            f"{_num(s.rel_err, '.2e')} -> {mark}"
+            + ("" if s.flagged == s.expected else "  [red]UNEXPECTED[/]")
+        )
+    return lines
+
+
+def print_catalogue(console: Console, run: CatalogueRun) -> None:
+    console.print(catalogue_table(run))
+    for line in skew_lines(run):
+        console.print(line)
+    named = sum(r.ok for r in run.results)
+    console.print(
+        f"{named} of {len(run.results)} buggy steps detected and named; a {SKEW}x skew "
+        + ("is" if all(s.flagged for s in run.skews if s.run.skew == SKEW) else "is NOT")
+        + " flagged in every framework and dtype: "
+        + ("[green]OK[/]" if run.ok else "[red]FAIL[/]")
+    )
+
+
+def write_catalogue_json(path: Path, run: CatalogueRun, wall_s: float) -> None:
+    record = run.to_json()
+    record["wall_time_s"] = wall_s
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")

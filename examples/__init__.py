@@ -1,0 +1,1 @@
+"""Third-party-style training steps (torch and JAX) to run ``crosscheck verify`` on."""

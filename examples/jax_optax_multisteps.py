@@ -1,0 +1,98 @@
+"""Gradient accumulation with ``optax.MultiSteps`` and a mean loss: the microbatch-mean bug.
+
+Mirrors the common optax recipe for gradient accumulation (the optax "gradient accumulation"
+guide, and training loops that wrap their optimizer as ``optax.MultiSteps(tx,
+every_k_schedule=k)``): the train step is called once per microbatch, each call takes the
+token mean loss of the microbatch on each device, ``jax.lax.pmean`` averages the gradient over
+the data-parallel devices, and MultiSteps averages the k micro-step gradients before its inner
+optimizer sees them. Written with ``jax.shard_map`` over the "data" mesh axis.
+
+What ``crosscheck verify examples.jax_optax_multisteps:step --scheme token_mean`` says: FAIL
+at M > 1. A token of device r, microbatch m weighs 1 / (R M n_rm), with n_rm the valid tokens
+of that one microbatch on that one device, instead of 1 / N: the oracle's ``microbatch_mean``
+exactly (transformers#34191 is the same bug in torch). At M = 1 it is ``rank_mean``, and
+with R = M = 1 it is correct. The fix: ``examples/jax_token_weighted.py``.
+
+Protocol: this step takes ``optimizer`` (the harness passes ``optax.sgd(1.0)``), wraps it in
+MultiSteps as the real loop wraps its own, and returns the updates MultiSteps emits on the
+M-th micro-step: the inner optimizer's output for the accumulated gradient, which for SGD with
+learning rate 1 is minus that gradient. Returning the optimizer's updates rather than a
+gradient reconstructed by hand keeps MultiSteps' own averaging in what is verified.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+IGNORE_INDEX = -100
+
+
+def mean_loss(params: Any, apply_fn: Callable, microbatch: dict[str, jax.Array]) -> jax.Array:
+    """Token mean of one microbatch on one device (guarded: 0, not NaN, when it has none)."""
+    logits = apply_fn(params, microbatch["inputs"])
+    targets = microbatch["targets"]
+    mask = targets != IGNORE_INDEX
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, targets, 0))
+    return jnp.sum(jnp.where(mask, losses, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+@functools.cache
+def accumulate(
+    optimizer: optax.GradientTransformation, accum_steps: int, dtype: jnp.dtype
+) -> optax.MultiSteps:
+    """The user's optimizer wrapped to apply once every `accum_steps` micro-steps."""
+    # optax's MultiSteps keeps its running mean in float32 unless told otherwise, which would
+    # round a float64 gradient at ~1e-8; accumulating in the params' dtype leaves only the
+    # weighting for verify to find.
+    return optax.MultiSteps(optimizer, every_k_schedule=accum_steps, accumulator_dtype=dtype)
+
+
+@functools.cache
+def make_train_step(apply_fn: Callable, tx: optax.MultiSteps, mesh: Mesh) -> Callable:
+    """The jitted micro-step, built once per model, optimizer and mesh as a script does (the
+    caches let jobs of one shape reuse its compiled code)."""
+
+    def device_grads(params: Any, microbatch: dict[str, jax.Array]) -> Any:
+        # shard_map treats replicated params as device-invariant, and jax.grad would then
+        # already sum over devices; marking them device-varying gives this device's own
+        # gradient, as pmap does, so the pmean below is the one data-parallel reduction.
+        params = jax.lax.pcast(params, ("data",), to="varying")
+        grads = jax.grad(mean_loss)(params, apply_fn, microbatch)
+        return jax.lax.pmean(grads, "data")
+
+    grads_fn = jax.shard_map(device_grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+
+    @jax.jit
+    def train_step(params: Any, opt_state: Any, microbatch: dict[str, jax.Array]) -> tuple:
+        grads = grads_fn(params, microbatch)
+        return tx.update(grads, opt_state, params)
+
+    return train_step
+
+
+def step(
+    params: Any,
+    apply_fn: Callable,
+    batch: dict[str, np.ndarray],
+    mesh: Mesh,
+    optimizer: optax.GradientTransformation,
+) -> Any:
+    """One optimizer update over M micro-steps; returns the updates MultiSteps emits."""
+    accum_steps = batch["inputs"].shape[1]
+    tx = accumulate(optimizer, accum_steps, jax.tree.leaves(params)[0].dtype)
+    opt_state = tx.init(params)
+    train_step = make_train_step(apply_fn, tx, mesh)
+    for m in range(accum_steps):
+        microbatch = {key: value[:, m] for key, value in batch.items()}  # [R, B, T]
+        updates, opt_state = train_step(params, opt_state, microbatch)
+        params = optax.apply_updates(params, updates)  # zeros until the M-th micro-step
+    return updates

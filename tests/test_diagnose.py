@@ -1,0 +1,189 @@
+"""Diagnosis on oracle-made gradients: no false alarm, every pattern named, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from crosscheck import candidates
+from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture
+from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL
+from crosscheck.diagnose import AMBIGUOUS, CONDITION_LIMIT, UNKNOWN, diagnose
+from crosscheck.fixtures import Fixture
+from crosscheck.oracle import loss_and_grad, weighted_grad
+from crosscheck.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS
+from crosscheck.schemes import INTENDED_SCHEMES, get_scheme
+
+
+def _grad(fixture: Fixture, weights: np.ndarray) -> dict[str, np.ndarray]:
+    return weighted_grad(fixture.params(), fixture.inputs, fixture.targets, weights)
+
+
+def test_seed_rank_mean_is_named_with_ratio_nine():
+    fixture = builtin_fixture("seed")
+    grads = loss_and_grad(fixture, "rank_mean", 2, 1).grads
+    d = diagnose(fixture, 2, 1, grads, "token_mean")
+    assert d.best_match == "rank-mean"
+    assert d.detected
+    assert abs(d.weight_ratio - 9.0) <= 1e-9
+    assert "rank 0 weigh 9.0x tokens on rank 1" in d.explanation
+    assert d.well_posed and d.residual < 1e-12
+
+
+@pytest.mark.parametrize("fixture_name", list(BUILTIN_FIXTURES))
+@pytest.mark.parametrize("scheme", INTENDED_SCHEMES)
+def test_intended_gradient_is_not_a_false_alarm(fixture_name, scheme):
+    fixture = builtin_fixture(fixture_name)
+    for R, M in fixture.valid_layouts():
+        if R * M > 8:
+            continue
+        grads = loss_and_grad(fixture, scheme, R, M).grads
+        d = diagnose(fixture, R, M, grads, scheme, max_grad_norm=CLIP_PER_MICROBATCH_NORM)
+        where = f"{fixture_name} {scheme} R={R} M={M}"
+        assert d.best_match == scheme, where
+        assert not d.detected, where
+        assert abs(d.scale - 1.0) <= FLOAT64_RTOL, where
+        assert abs(d.weight_ratio / d.intended_weight_ratio - 1) <= 1e-9, where
+        # Fixtures are built so that the group weights are identifiable.
+        assert d.well_posed and d.condition_number < 10, where
+
+
+def _prediction(pattern: str, fixture: Fixture, R: int, M: int):
+    """The oracle-side prediction of a pattern at a layout (what a faithful bug produces)."""
+    spec = PATTERNS[pattern]
+    scheme = get_scheme(spec.intended)
+    batch = fixture.layout(R, M)
+    w = batch.to_global(scheme.effective_weights(batch))
+    D = scheme.global_denominator(batch)
+    if pattern == "float32-count":
+        D32 = float(
+            np.float32(np.where(fixture.valid, fixture.weights, 0).astype(np.float32).sum())
+        )
+        return w * (D / D32), D32, D
+    pool = candidates.local_mean_candidates(scheme, batch)
+    pool += candidates.scale_candidates(scheme, fixture, batch, w, (D,))
+    pool += candidates.clip_candidates(
+        lambda weights: _grad(fixture, weights), batch, w, CLIP_PER_MICROBATCH_NORM
+    )
+    match = [c for c in pool if c.name == pattern][-1]  # the torch clipping convention
+    return match.weights, match.logged_denominator, D
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_catalogue_layouts_name_each_pattern_uniquely(pattern):
+    for fixture_name, R, M in PATTERNS[pattern].runs:
+        fixture = builtin_fixture(fixture_name)
+        weights, logged, D = _prediction(pattern, fixture, R, M)
+        d = diagnose(
+            fixture,
+            R,
+            M,
+            _grad(fixture, weights),
+            PATTERNS[pattern].intended,
+            logged_denominator=logged,
+            previous_denominators=(D,),
+            max_grad_norm=CLIP_PER_MICROBATCH_NORM,
+        )
+        assert d.detected, (pattern, fixture_name)
+        assert d.best_match == pattern, (pattern, fixture_name, d.matches, d.explanation)
+        assert pattern in d.explanation or pattern.endswith("-mean")
+
+
+def test_same_gradient_without_its_log_is_ambiguous():
+    fixture = builtin_fixture("packed")
+    grads = _grad(fixture, loss_and_grad(fixture, "token_mean", 4, 1).token_weights / 4)
+    d = diagnose(fixture, 4, 1, grads, "token_mean")
+    assert d.best_match == AMBIGUOUS
+    assert set(d.matches) == {"missing-world-size", "double-reduce-count"}
+    assert "logged denominator" in d.explanation
+    D = float(fixture.valid.sum())
+    assert diagnose(fixture, 4, 1, grads, "token_mean", logged_denominator=D).best_match == (
+        "missing-world-size"
+    )
+    named = diagnose(fixture, 4, 1, grads, "token_mean", logged_denominator=4 * D)
+    assert named.best_match == "double-reduce-count"
+
+
+def test_unknown_distortion_is_reported_with_its_weights():
+    fixture = builtin_fixture("ragged")
+    result = loss_and_grad(fixture, "token_mean", 2, 2)
+    weights = result.token_weights.copy()
+    weights[5] *= 3.0  # one row triples: no known pattern does that
+    d = diagnose(fixture, 2, 2, _grad(fixture, weights), "token_mean")
+    assert d.detected and d.best_match == UNKNOWN
+    assert "No known scheme or pattern fits" in d.explanation
+    assert abs(d.weight_ratio - 3.0) <= 1e-9 and d.residual < 1e-12
+    heavy = [g for g in d.groups if g.row == 5]
+    assert heavy and all(abs(g.weight / g.intended - 3.0) <= 1e-9 for g in heavy)
+
+
+def test_gradient_at_other_params_leaves_a_residual():
+    fixture = builtin_fixture("packed")
+    params = fixture.params()
+    params["unembed"] = params["unembed"] * 1.1
+    grads = weighted_grad(params, fixture.inputs, fixture.targets, fixture.valid / 231.0)
+    d = diagnose(fixture, 2, 1, grads, "token_mean")
+    assert d.best_match == UNKNOWN and d.residual > 1e-3
+    assert "not a reweighting" in d.explanation
+
+
+def test_nan_never_passes():
+    fixture = builtin_fixture("packed")
+    grads = loss_and_grad(fixture, "token_mean", 2, 1).grads
+    grads["embed"] = grads["embed"].copy()
+    grads["embed"][0, 0] = np.nan
+    d = diagnose(fixture, 2, 1, grads, "token_mean")
+    assert d.detected and d.best_match == UNKNOWN
+    assert "NaN or inf" in d.explanation
+
+
+def test_indistinguishable_groups_are_reported_as_ill_posed():
+    base = builtin_fixture("packed")
+    inputs, targets = base.inputs.copy(), base.targets.copy()
+    segments = base.segment_ids.copy()
+    # Rows 0 and 4 become the same single token: their weights cannot be told apart.
+    for row in (0, 4):
+        inputs[row], targets[row], segments[row] = 3, -100, 0
+        inputs[row, 0], targets[row, 0], segments[row, 0] = 3, 7, 1
+    fixture = Fixture(
+        name="twins",
+        description="two identical one-token rows",
+        inputs=inputs,
+        targets=targets,
+        segment_ids=segments,
+        weights=base.weights,
+        embed=base.embed,
+        unembed=base.unembed,
+    )
+    grads = loss_and_grad(fixture, "token_mean", 2, 1).grads
+    d = diagnose(fixture, 2, 1, grads, "token_mean")
+    assert d.condition_number > CONDITION_LIMIT and not d.well_posed
+    assert "not identifiable" in d.explanation
+    assert d.best_match == "token_mean"  # naming compares whole gradients, still fine
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_one_percent_rank_skew_is_flagged(dtype):
+    fixture = builtin_fixture("ragged")
+    result = loss_and_grad(fixture, "token_mean", 2, 1)
+    weights = result.token_weights.copy()
+    weights[: fixture.num_rows // 2] *= 1.01
+    grads = _grad(fixture, weights)
+    if dtype == "float32":  # what a float32 implementation could at best return
+        grads = {k: v.astype(np.float32) for k, v in grads.items()}
+    d = diagnose(fixture, 2, 1, grads, "token_mean", dtype=dtype)
+    tolerance = FLOAT32_RTOL if dtype == "float32" else FLOAT64_RTOL
+    assert d.detected and d.intended_error > 100 * tolerance
+    if dtype == "float64":
+        assert d.best_match == UNKNOWN and abs(d.weight_ratio - 1.01) <= 1e-9
+
+
+@pytest.mark.parametrize("name", ["dedup-seed", "dedup-packed"])
+def test_dedup_fixtures_count_past_float32(name):
+    fixture = builtin_fixture(name)
+    multiplicities = fixture.weights[fixture.valid]
+    total = int(multiplicities.sum())
+    assert total > 2**24 and total % 2 == 1  # no float32 number equals it
+    assert float(np.float32(total)) != total
+    assert multiplicities.max() < 2**24 and np.all(multiplicities == np.round(multiplicities))
+    assert not np.any(fixture.weights[~fixture.valid])

@@ -1,0 +1,284 @@
+"""The JAX bug catalogue (jax_impl.bugs) through its harness runner, against numpy.
+
+Every catalogue run plus the rank-skew calibration runs come from the session's one run of
+the catalogue (tests/bug_outputs.py, through `crosscheck.runners.jax_bugs.run`: two worker
+processes, one per dtype). Each output is then
+checked against what the pattern's text in crosscheck.patterns defines, computed here with
+numpy and the oracle: the logged denominator exactly, and the gradient within 1e-12 (float64)
+of the weighting the pattern describes: a scale of the token mean, a reweighting, or the
+clipped sum.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from bug_outputs import catalogue_outputs
+
+from crosscheck.bugs import SKEW, SKEW_FIXTURE, SKEW_LAYOUT
+from crosscheck.catalogue import builtin_fixture
+from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
+from crosscheck.fixtures import Fixture
+from crosscheck.oracle import OracleResult, loss_and_grad, weighted_grad
+from crosscheck.patterns import (
+    CLIP_PER_MICROBATCH_NORM,
+    PATTERNS,
+    RANK_SKEW,
+    BugOutput,
+    BugRun,
+    catalogue_runs,
+)
+from crosscheck.runners import jax_bugs
+
+ROOT = Path(__file__).resolve().parents[1]
+CATALOGUE = catalogue_runs(("jax",))
+
+
+def _skew(skew: float, dtype: str = "float64") -> BugRun:
+    # The skew runs of crosscheck.bugs (same fixture, layout and skews): the shared session
+    # run already holds them, and (ragged, 2, 1) is a catalogue layout too.
+    R, M = SKEW_LAYOUT
+    return BugRun(
+        pattern=RANK_SKEW,
+        framework="jax",
+        fixture=SKEW_FIXTURE,
+        world_size=R,
+        accum_steps=M,
+        dtype=dtype,
+        skew=skew,
+    )
+
+
+SKEW_RUNS = [_skew(1.0), _skew(1.0, "float32"), _skew(SKEW)]
+BAD_RUNS = {
+    "not divisible by 3": BugRun(
+        pattern="rank-mean", framework="jax", fixture="packed", world_size=3, accum_steps=1
+    ),
+    "unknown bug pattern": BugRun(
+        pattern="no-such-bug", framework="jax", fixture="packed", world_size=2, accum_steps=1
+    ),
+    "world_size=16 needs 1 to 8 devices": BugRun(
+        pattern="rank-mean", framework="jax", fixture="ragged", world_size=16, accum_steps=1
+    ),
+    "not a JAX run": BugRun(
+        pattern="rank-mean", framework="torch", fixture="seed", world_size=2, accum_steps=1
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict:
+    # The session's one run of every buggy step (tests/bug_outputs.py), plus the bad runs.
+    shared = catalogue_outputs()
+    return {
+        **{run: shared[run] for run in [*CATALOGUE, *SKEW_RUNS]},
+        **jax_bugs.run(list(BAD_RUNS.values())),
+    }
+
+
+def _output(outcomes: dict, run: BugRun) -> BugOutput:
+    out = outcomes[run]
+    if isinstance(out, BaseException):
+        raise AssertionError(f"{run.describe()} failed") from out
+    return out
+
+
+def _rows(fixture: Fixture, R: int, M: int, rank: int, micro: int) -> slice:
+    B = fixture.num_rows // (R * M)
+    start = rank * (fixture.num_rows // R) + micro * B
+    return slice(start, start + B)
+
+
+def _valid_count(f: Fixture) -> int:
+    return int(f.valid.sum())
+
+
+def _rows_with_target(f: Fixture) -> int:
+    return int(f.valid.any(axis=1).sum())
+
+
+#: The logged denominator of each pattern's text, from the fixture's arrays; (fixture, R, M).
+EXPECTED_LOGGED: dict[str, Callable[[Fixture, int, int], float]] = {
+    "rank-mean": lambda f, R, M: int(f.valid[: f.num_rows // R].sum()),
+    "microbatch-mean": lambda f, R, M: int(f.valid[_rows(f, R, M, 0, M - 1)].sum()),
+    "missing-world-size": lambda f, R, M: _valid_count(f),
+    "double-world-size": lambda f, R, M: _valid_count(f),
+    "double-accum-scale": lambda f, R, M: _valid_count(f),
+    "unshifted-count": lambda f, R, M: _valid_count(f) + _rows_with_target(f),
+    "attention-mask-count": lambda f, R, M: int((f.segment_ids > 0).sum()),
+    "clip-per-microbatch": lambda f, R, M: _valid_count(f),
+    "stale-count": lambda f, R, M: 2 * _valid_count(f),
+    "double-reduce-count": lambda f, R, M: R * _valid_count(f),
+    "packed-as-one": lambda f, R, M: _rows_with_target(f),
+    "padding-as-tokens": lambda f, R, M: f.num_rows * f.seq_len,
+    RANK_SKEW: lambda f, R, M: _valid_count(f),
+}
+
+#: Pure scale errors: the gradient is this factor times the token-mean oracle's.
+SCALES: dict[str, Callable[[Fixture, int, int], float]] = {
+    "missing-world-size": lambda f, R, M: 1 / R,
+    "double-world-size": lambda f, R, M: R,
+    "double-accum-scale": lambda f, R, M: M,
+    "double-reduce-count": lambda f, R, M: 1 / R,
+    "stale-count": lambda f, R, M: 1 / 2,
+    "padding-as-tokens": lambda f, R, M: _valid_count(f) / (f.num_rows * f.seq_len),
+    "unshifted-count": lambda f, R, M: _valid_count(f) / (_valid_count(f) + _rows_with_target(f)),
+    "attention-mask-count": lambda f, R, M: _valid_count(f) / (f.segment_ids > 0).sum(),
+}
+
+
+def _token_mean(run: BugRun) -> OracleResult:
+    return loss_and_grad(
+        builtin_fixture(run.fixture), "token_mean", run.world_size, run.accum_steps
+    )
+
+
+def _grad(f: Fixture, c: np.ndarray) -> dict:
+    return weighted_grad(f.params(), f.inputs, f.targets, c)
+
+
+def _assert_close(run: BugRun, actual: dict, expected: dict, rtol: float = FLOAT64_RTOL) -> None:
+    err = tree_rel_err(actual, expected)
+    assert err.max_rel_err <= rtol, f"{run.describe()}: {err.describe()}"
+
+
+def test_every_run_produced_a_finite_synchronized_gradient(outcomes: dict) -> None:
+    for run in [*CATALOGUE, *SKEW_RUNS]:
+        out = _output(outcomes, run)
+        f = builtin_fixture(run.fixture)
+        assert set(out.grads) == {"embed", "unembed"}, run.describe()
+        for name, shape in (("embed", f.embed.shape), ("unembed", f.unembed.shape)):
+            g = out.grads[name]
+            assert g.dtype == np.float64 and g.shape == shape, (run.describe(), name, g.shape)
+            assert np.isfinite(g).all() and np.abs(g).max() > 0, (run.describe(), name)
+
+
+def test_the_catalogue_has_every_pattern_and_every_logged_rule() -> None:
+    assert {run.pattern for run in CATALOGUE} == set(PATTERNS)
+    assert set(EXPECTED_LOGGED) | {"float32-count"} == set(PATTERNS) | {RANK_SKEW}
+
+
+def test_logged_denominators_are_the_ones_the_pattern_text_defines(outcomes: dict) -> None:
+    for run in [*CATALOGUE, *SKEW_RUNS]:
+        if run.pattern == "float32-count":
+            continue  # its own test: the value depends on the float32 summation order
+        f = builtin_fixture(run.fixture)
+        want = EXPECTED_LOGGED[run.pattern](f, run.world_size, run.accum_steps)
+        got = _output(outcomes, run).logged_denominator
+        assert got == want, f"{run.describe()}: logged {got}, the pattern defines {want}"
+
+
+def test_rank_skew_at_one_is_the_token_mean_in_both_dtypes(outcomes: dict) -> None:
+    for run, rtol in ((SKEW_RUNS[0], FLOAT64_RTOL), (SKEW_RUNS[1], FLOAT32_RTOL)):
+        _assert_close(run, _output(outcomes, run).grads, _token_mean(run).grads, rtol)
+    # float32 really ran in float32: it is not float64-exact.
+    err = tree_rel_err(_output(outcomes, SKEW_RUNS[1]).grads, _token_mean(SKEW_RUNS[1]).grads)
+    assert err.max_rel_err > 1e-12
+
+
+def test_rank_skew_weighs_rank_zero_by_the_skew(outcomes: dict) -> None:
+    run = SKEW_RUNS[2]
+    f = builtin_fixture(run.fixture)
+    c = f.valid / _valid_count(f)
+    c[: f.num_rows // run.world_size] *= run.skew
+    got = _output(outcomes, run).grads
+    _assert_close(run, got, _grad(f, c))
+    assert tree_rel_err(got, _token_mean(run).grads).max_rel_err > 1e-4
+
+
+@pytest.mark.parametrize("pattern", sorted(SCALES))
+def test_scale_patterns_are_the_token_mean_times_their_scale(outcomes: dict, pattern: str) -> None:
+    for run in (r for r in CATALOGUE if r.pattern == pattern):
+        f = builtin_fixture(run.fixture)
+        scale = SCALES[pattern](f, run.world_size, run.accum_steps)
+        want = {k: scale * v for k, v in _token_mean(run).grads.items()}
+        _assert_close(run, _output(outcomes, run).grads, want)
+
+
+@pytest.mark.parametrize("pattern", ["rank-mean", "microbatch-mean"])
+def test_local_means_are_the_oracles_accidental_schemes(outcomes: dict, pattern: str) -> None:
+    for run in (r for r in CATALOGUE if r.pattern == pattern):
+        scheme = pattern.replace("-", "_")
+        want = loss_and_grad(builtin_fixture(run.fixture), scheme, run.world_size, run.accum_steps)
+        _assert_close(run, _output(outcomes, run).grads, want.grads)
+        assert tree_rel_err(want.grads, _token_mean(run).grads).max_rel_err > 1e-3
+
+
+def test_packed_as_one_weighs_every_token_by_its_row(outcomes: dict) -> None:
+    for run in (r for r in CATALOGUE if r.pattern == "packed-as-one"):
+        f = builtin_fixture(run.fixture)
+        n_row = f.valid.sum(axis=1, keepdims=True)
+        c = np.where(f.valid, 1 / np.maximum(n_row, 1), 0.0) / _rows_with_target(f)
+        _assert_close(run, _output(outcomes, run).grads, _grad(f, c))
+
+
+def test_clip_per_microbatch_is_the_sum_of_clipped_microbatch_gradients(outcomes: dict) -> None:
+    for run in (r for r in CATALOGUE if r.pattern == "clip-per-microbatch"):
+        f = builtin_fixture(run.fixture)
+        R, M = run.world_size, run.accum_steps
+        want = {k: np.zeros_like(v) for k, v in f.params().items()}
+        for m in range(M):
+            c = np.zeros(f.targets.shape)
+            for r in range(R):
+                rows = _rows(f, R, M, r, m)
+                c[rows] = f.valid[rows] / _valid_count(f)
+            g = _grad(f, c)
+            norm = np.sqrt(sum(float((x**2).sum()) for x in g.values()))
+            factor = 1.0 if norm < CLIP_PER_MICROBATCH_NORM else CLIP_PER_MICROBATCH_NORM / norm
+            want = {k: want[k] + factor * g[k] for k in want}
+        _assert_close(run, _output(outcomes, run).grads, want)
+        # The catalogue promises the clip bites on its layouts: else this is the token mean.
+        assert tree_rel_err(want, _token_mean(run).grads).max_rel_err > 1e-3, run.describe()
+
+
+def test_float32_count_divides_by_an_inexact_float32_total(outcomes: dict) -> None:
+    for run in (r for r in CATALOGUE if r.pattern == "float32-count"):
+        f = builtin_fixture(run.fixture)
+        total = float(f.weights[f.valid].sum())  # integers < 2^53: exact in float64
+        out = _output(outcomes, run)
+        logged = out.logged_denominator
+        assert float(np.float32(logged)) == logged, f"{run.describe()}: {logged} is not float32"
+        assert logged != total, f"{run.describe()}: float32 cannot hold {total} exactly"
+        # Recursive summation of n terms in float32 errs by at most n * 2^-24 of the total.
+        assert abs(logged - total) <= f.num_valid_tokens * 2.0**-24 * total, run.describe()
+        weighted = loss_and_grad(f, "weighted_mean", run.world_size, run.accum_steps).grads
+        want = {k: total / logged * v for k, v in weighted.items()}
+        _assert_close(run, out.grads, want)
+
+
+@pytest.mark.parametrize("why", sorted(BAD_RUNS))
+def test_a_bad_run_comes_back_as_an_error_naming_it(outcomes: dict, why: str) -> None:
+    run = BAD_RUNS[why]
+    error = outcomes[run]
+    assert isinstance(error, ValueError | jax_bugs.JaxBugRunError), error
+    assert run.describe() in str(error) and why in str(error), str(error)
+
+
+def test_a_worker_that_outlives_its_timeout_fails_its_runs_instead_of_hanging() -> None:
+    runs = [_skew(1.0), _skew(1.0, "float32")]
+    result = jax_bugs.run(runs, timeout_s=0.5)  # importing JAX alone takes longer
+    for run in runs:
+        assert isinstance(result[run], jax_bugs.JaxBugRunError), result[run]
+        assert run.describe() in str(result[run]) and "still running" in str(result[run])
+
+
+def test_a_failed_worker_fails_every_run_it_carried(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax_bugs, "WORKER_MODULE", "crosscheck.runners.no_such_worker")
+    runs = [_skew(1.0), _skew(1.01)]
+    result = jax_bugs.run(runs)
+    for run in runs:
+        assert isinstance(result[run], jax_bugs.JaxBugRunError), result[run]
+        assert "No module named" in str(result[run]), str(result[run])
+
+
+def test_the_runner_does_not_import_jax_in_the_calling_process() -> None:
+    code = (
+        "import sys; import crosscheck.runners.jax_bugs as m; m._launch(); "
+        "assert 'jax' not in sys.modules, sorted(k for k in sys.modules if 'jax' in k)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)

@@ -1,0 +1,98 @@
+"""Training steps that break the step protocol, for tests/test_torch_verify.py.
+
+The tests import them as ``verify_steps:NAME`` with ``tests/`` as the working directory (the
+ranks find them through the current directory, as a user's own module). Each misbehaves in
+one way a real loop can, and otherwise computes the global token mean like
+``examples.torch_torchtitan`` (repeated here: ``examples`` is not importable from ``tests/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.functional import cross_entropy
+from torch.nn.parallel import DistributedDataParallel
+
+Microbatches = list[dict[str, torch.Tensor]]
+
+
+def token_mean_backward(model: nn.Module, microbatches: Microbatches, *, sync: bool = True) -> None:
+    """The correct accumulation (sum / global valid count, times R for DDP's average)."""
+    count = sum((batch["targets"] != -100).sum() for batch in microbatches)
+    count = torch.as_tensor(count, dtype=torch.int64)
+    dist.all_reduce(count)
+    for index, batch in enumerate(microbatches):
+        last = sync and index == len(microbatches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            logits = model(batch["inputs"])
+            loss = cross_entropy(
+                logits.view(-1, logits.size(-1)), batch["targets"].view(-1), reduction="sum"
+            )
+            (loss / int(count) * dist.get_world_size()).backward()
+
+
+def raise_on_rank1_when_accumulating(model: nn.Module, microbatches: Microbatches) -> None:
+    """Rank 1 raises before its first backward when M > 1 (rank 0 is then in an all-reduce)."""
+    if len(microbatches) > 1 and dist.get_rank() == 1:
+        raise ValueError("rank 1 cannot accumulate")
+    token_mean_backward(model, microbatches)
+
+
+def never_synchronized(model: nn.Module, microbatches: Microbatches) -> None:
+    """Every backward under no_sync (an off-by-one in the last-microbatch test): no all-reduce."""
+    token_mean_backward(model, microbatches, sync=False)
+
+
+def hang_everywhere(model: nn.Module, microbatches: Microbatches) -> None:
+    """Never returns on any rank (a dataloader waiting for ever, say)."""
+    time.sleep(600)
+
+
+def hang_in_collective_on_rank1(model: nn.Module, microbatches: Microbatches) -> None:
+    """When M > 1, rank 1 logs a metric with an all-reduce that no other rank joins."""
+    token_mean_backward(model, microbatches)
+    if len(microbatches) > 1 and dist.get_rank() == 1:
+        dist.all_reduce(torch.zeros(1))
+
+
+class PaddedLM(nn.Module):
+    """The bilinear model with its vocabulary padded to a multiple of 16 (as LLM code does)."""
+
+    def __init__(self, embed: torch.Tensor, unembed: torch.Tensor) -> None:
+        super().__init__()
+        vocab, hidden = embed.shape
+        padded = -(-vocab // 16) * 16
+        self.embed = nn.Parameter(torch.zeros(padded, hidden, dtype=embed.dtype))
+        self.unembed = nn.Parameter(torch.zeros(hidden, padded, dtype=embed.dtype))
+        with torch.no_grad():
+            self.embed[:vocab] = embed
+            self.unembed[:, :vocab] = unembed
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.embed[inputs] @ self.unembed
+
+
+def misbehaving_factory_step(
+    model_factory: Callable[[], nn.Module], microbatches: Microbatches
+) -> nn.Module | None:
+    """A model_factory step that goes wrong differently per accumulation steps M.
+
+    M = 1: forgets to return the model. M = 2: returns a model with a padded vocabulary
+    (wrong parameter shapes). M = 3: drops the embedding's gradient after backward.
+    """
+    base = model_factory()
+    if len(microbatches) == 2:
+        model = DistributedDataParallel(PaddedLM(base.embed.detach(), base.unembed.detach()))
+    else:
+        model = DistributedDataParallel(base)
+    token_mean_backward(model, microbatches)
+    if len(microbatches) == 1:
+        return None
+    if len(microbatches) == 3:
+        model.module.embed.grad = None
+    return model
