@@ -6,6 +6,14 @@ weighting, and the command line. The JAX and torch implementations live in `jax_
 `torch_impl` and are imported only when run.
 """
 
+import os as _os
+
+# One BLAS thread unless the caller chose otherwise (numpy reads this when it is first
+# imported): the oracle multiplies matrices of a few thousand by 40 entries, where extra
+# OpenBLAS threads add nothing but spin, and a harness run shares its cores with the worker
+# processes it starts (seen: 2x the CPU time for the same wall time on a 2-core machine).
+_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture, random_fixture
 from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, tree_rel_err
 from crosscheck.diagnose import Diagnosis, diagnose

@@ -64,6 +64,22 @@ class _RowWriter:
         self.targets[row, start : start + min(num_ignored, length)] = IGNORE_INDEX
         self.segment_ids[row, span] = segment
 
+    def pad_to(self, seq_len: int) -> None:
+        """Widen every row to `seq_len` with padding: no input, an ignored target, segment 0.
+
+        The padding carries no loss under any scheme, so the objective is unchanged; it gives
+        the 8-row fixtures one shape, (8, 64), and a compiled JAX program per layout then
+        serves all four instead of one per sequence length.
+        """
+        extra = seq_len - self.inputs.shape[1]
+        if extra < 0:
+            raise ValueError(f"cannot pad rows of {self.inputs.shape[1]} down to {seq_len}")
+        widths = ((0, 0), (0, extra))
+        self.inputs = np.pad(self.inputs, widths)
+        self.targets = np.pad(self.targets, widths, constant_values=IGNORE_INDEX)
+        self.segment_ids = np.pad(self.segment_ids, widths)
+        self.weights = np.pad(self.weights, widths, constant_values=1.0)
+
     def build(self, name: str, description: str, rng: np.random.Generator) -> Fixture:
         return Fixture(
             name=name,
@@ -74,6 +90,10 @@ class _RowWriter:
             weights=self.weights,
             **init_params(rng, self.vocab, HIDDEN_SIZE),
         )
+
+
+#: Sequence length of every 8-row fixture: those drawn at 32 are padded to it (`pad_to`).
+SHARED_SEQ_LEN = 64
 
 
 def seed_fixture() -> Fixture:
@@ -93,7 +113,7 @@ def seed_fixture() -> Fixture:
 def packed_fixture() -> Fixture:
     """Rows packing 2-5 documents each, boundary targets ignored, padding at the end."""
     rng = np.random.default_rng(2)
-    num_rows, seq_len = 8, 64
+    num_rows, seq_len = 8, SHARED_SEQ_LEN
     writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE)
     for row in range(num_rows):
         num_docs = int(rng.integers(2, 6))
@@ -167,6 +187,7 @@ def empty_rank_fixture() -> Fixture:
         length = int(rng.integers(6, seq_len + 1))
         prompt = length if row >= 4 else int(rng.integers(0, 4))
         writer.document(row, 0, length, segment=1, num_ignored=prompt)
+    writer.pad_to(SHARED_SEQ_LEN)
     return writer.build(
         "empty-rank",
         "the second half of the batch has no valid target: a rank with zero tokens must add "
@@ -182,7 +203,7 @@ IMAGE_TOKEN = VOCAB_SIZE - 1
 def multimodal_fixture() -> Fixture:
     """Prompt, a long image-placeholder span, then answer text; only the answer has a loss."""
     rng = np.random.default_rng(5)
-    num_rows, seq_len = 8, 64
+    num_rows, seq_len = 8, SHARED_SEQ_LEN
     writer = _RowWriter(rng, num_rows, seq_len, VOCAB_SIZE, text_vocab=IMAGE_TOKEN)
     for row in range(num_rows):
         prompt = int(rng.integers(2, 6))
@@ -211,6 +232,7 @@ def soft_weights_fixture() -> Fixture:
     weights[rng.random((num_rows, seq_len)) < 0.1] = 0.0
     # Ignored tokens keep their nonzero weights on purpose: w_t v_t must still drop them.
     writer.weights = weights
+    writer.pad_to(SHARED_SEQ_LEN)
     return writer.build(
         "soft-weights",
         "fractional per-token weights (some zero on valid tokens, nonzero on ignored ones): "

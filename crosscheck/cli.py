@@ -26,7 +26,13 @@ from crosscheck.fixtures import Fixture
 from crosscheck.matrix import Plan, run_matrix
 from crosscheck.oracle import loss_and_grad
 from crosscheck.plot import plot_effective_weights
-from crosscheck.report import print_results, summary_line, write_json, write_update_log
+from crosscheck.report import (
+    print_results,
+    summary_line,
+    timings_table,
+    write_json,
+    write_update_log,
+)
 from crosscheck.runners import IMPLEMENTATIONS
 from crosscheck.schemes import get_scheme
 
@@ -76,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", type=Path, help="write every row as JSON here")
     run.add_argument("--log", type=Path, help="write per-rank per-update metrics as JSONL here")
     run.add_argument("--plot", type=Path, help="write a PNG of effective per-token weights here")
+    run.add_argument(
+        "--timings", action="store_true", help="also print when each job (process group) ran"
+    )
     bugs = commands.add_parser(
         "bugs",
         help="run every known bug pattern in torch and JAX; check each is detected and named",
@@ -139,7 +148,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         resume=not args.no_resume,
     )
     if args.fixture:
-        plan.fixtures = args.fixture
+        plan.fixtures = plan.resume_fixtures = args.fixture
     if args.schemes:
         plan.schemes = [get_scheme(name).name for name in args.schemes]
     if args.impls:
@@ -173,6 +182,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
         result = run_matrix(plan, on_progress)
     print_results(console, result.rows, per_case=args.rows == "case")
+    if args.timings:
+        console.print(timings_table(result.timings))
     wall = time.perf_counter() - started
     console.print(summary_line(result.rows, wall))
     if args.json is not None:

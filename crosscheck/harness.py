@@ -31,9 +31,10 @@ def clip_convention(impl: str) -> str:
 
 
 @cache
-def _oracle_run(
+def oracle_records(
     fixture: str, scheme: str, R: int, M: int, settings: TrainSettings, convention: str
 ) -> tuple[UpdateRecord, ...]:
+    """The oracle's run of `settings.num_updates` updates, cached: many cases share one."""
     return tuple(
         train(
             builtin_fixture(fixture),
@@ -50,7 +51,7 @@ def _oracle_run(
 
 def oracle_run(case: Case, settings: TrainSettings, scheme: str | None = None):
     """The oracle's records for the case (optionally under another scheme)."""
-    return _oracle_run(
+    return oracle_records(
         case.fixture,
         scheme or case.scheme,
         case.world_size,

@@ -1,16 +1,17 @@
 """The main job: build the case matrix, run every implementation on it, and check the results.
 
-Frameworks run concurrently (one thread each, their work happens in child processes), and each
-framework reuses its processes: one torch process group and one set of JAX processes per world
-size serve every case of that size. The rows that come back are compared with the oracle as
-they arrive; rows across cases (implementations against each other, world-size change) follow.
+Each framework's runner turns its cases into jobs that reuse processes: one torch process
+group per world size, one JAX worker per in-process front-end and world size, one multi-process
+JAX launch per world size, one resume round trip per framework. `crosscheck.schedule` runs the
+jobs side by side on the machine's cores. The rows that come back are compared with the oracle
+as they arrive; rows across cases (implementations against each other, world-size change)
+follow.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from crosscheck.cases import STRATEGIES, Case, CaseOutput, CaseResult, RankMetrics, TrainSettings
@@ -23,8 +24,9 @@ from crosscheck.harness import (
     world_size_change,
 )
 from crosscheck.invariance import layout_invariance
-from crosscheck.resume import default_cases, run_resume_rows
+from crosscheck.resume import default_cases, resume_jobs
 from crosscheck.runners import IMPLEMENTATIONS, framework_of, runner_for
+from crosscheck.schedule import Job, JobTiming, run_jobs
 from crosscheck.schemes import SCHEMES, get_scheme
 
 #: Clip-placement rows use the token mean with a threshold that some microbatches exceed on
@@ -52,11 +54,19 @@ class Plan:
     resume: bool = True
     #: Schemes of the resume rows (each resume case costs two process starts per framework).
     resume_schemes: list[str] = field(default_factory=lambda: ["token_mean", "sequence_mean"])
+    #: Fixtures of the resume rows (those also in `fixtures`): by default the four of shape
+    #: (8, 64). What a resume can get wrong (partial window sums, optimizer state, the global
+    #: denominator across a world-size change) shows on any of them, and one shape means one
+    #: set of compiled JAX programs; ragged's 144 rows would add a third of the resume time
+    #: and no new way to fail. `crosscheck run --fixture` sets both lists.
+    resume_fixtures: list[str] = field(
+        default_factory=lambda: ["packed", "empty-rank", "multimodal", "soft-weights"]
+    )
     settings: TrainSettings = field(default_factory=TrainSettings)
 
     def validate(self) -> None:
         """Raise ValueError naming the first unknown name."""
-        for name in self.fixtures:
+        for name in [*self.fixtures, *self.resume_fixtures]:
             builtin_fixture(name)
         for name in self.schemes:
             get_scheme(name)
@@ -109,6 +119,7 @@ class Plan:
 class MatrixRun:
     rows: list[CaseResult]
     outputs: dict[Case, CaseOutput]
+    timings: list[JobTiming] = field(default_factory=list)
 
     def metrics(self) -> list[tuple[Case, RankMetrics]]:
         return [(case, m) for case, out in sorted(self.outputs.items()) for m in out.metrics]
@@ -120,21 +131,6 @@ def run_matrix(
     """Run the plan; `on_progress(done, total, case)` is called as cases finish."""
     plan.validate()
     rows: list[CaseResult] = []
-    if "oracle" in plan.impls:
-        for fixture in plan.fixtures:
-            layouts = [
-                (R, M)
-                for R, M in plan.layouts(fixture)
-                if R in plan.world_sizes and M in plan.accum_steps
-            ]
-            for scheme in plan.schemes:
-                rows.extend(layout_invariance(builtin_fixture(fixture), scheme, layouts))
-            for max_norm in CLIP_THRESHOLDS:
-                rows.extend(
-                    clip_placement(builtin_fixture(fixture), "token_mean", R, M, max_norm)
-                    for R, M in layouts
-                    if R * M > 1
-                )
     cases = plan.cases()
     outputs: dict[Case, CaseOutput] = {}
     lock = threading.Lock()
@@ -155,44 +151,56 @@ def run_matrix(
             if on_progress is not None:
                 on_progress(done, len(cases), case)
 
-    resume_cases = (
-        default_cases(
-            plan.impls,
-            plan.fixtures,
-            [name for name in plan.resume_schemes if name in plan.schemes],
-            plan.strategies,
-        )
-        if plan.resume
-        else []
-    )
-
     def on_resume_row(row: CaseResult) -> None:
         with lock:
             rows.append(row)
 
-    def run_framework(framework: str, group: list[Case]) -> None:
-        # Cases first, then this framework's resume rows: one framework's processes at a time.
-        if group:
-            runner_for(framework).run(group, plan.settings, on_done)
-        resumes = [c for c in resume_cases if framework_of(c.impl) == framework]
-        if resumes:
-            run_resume_rows(resumes, plan.settings, on_resume_row)
-
     by_framework: dict[str, list[Case]] = {}
     for case in cases:
         by_framework.setdefault(framework_of(case.impl), []).append(case)
-    for case in resume_cases:
-        by_framework.setdefault(framework_of(case.impl), [])
+    jobs = [
+        job
+        for framework, group in sorted(by_framework.items())
+        for job in runner_for(framework).jobs(group, plan.settings, on_done)
+    ]
+    if plan.resume:
+        resume_cases = default_cases(
+            plan.impls,
+            [name for name in plan.fixtures if name in plan.resume_fixtures],
+            [name for name in plan.resume_schemes if name in plan.schemes],
+            plan.strategies,
+        )
+        jobs += resume_jobs(resume_cases, plan.settings, on_resume_row)
+    oracle_rows: list[CaseResult] = []
+    if "oracle" in plan.impls:
+        # The oracle's own rows (float64 numpy, under a second) in this process, while the
+        # jobs' work happens in their child processes.
+        jobs.append(Job("oracle rows", 1, 1.0, lambda: oracle_rows.extend(_oracle_rows(plan))))
     if on_progress is not None:
         on_progress(0, len(cases), None)
-    with ThreadPoolExecutor(max_workers=max(1, len(by_framework))) as pool:
-        futures = [
-            pool.submit(run_framework, framework, group)
-            for framework, group in sorted(by_framework.items())
-        ]
-        for future in futures:
-            future.result()
+    timings = run_jobs(jobs)
+    rows[:0] = oracle_rows
     rows.extend(cross_implementation(outputs))
     if plan.world_size_change:
         rows.extend(world_size_change(outputs, [WORLD_SIZE_CHANGE_FAMILY]))
-    return MatrixRun(rows=rows, outputs=outputs)
+    return MatrixRun(rows=rows, outputs=outputs, timings=timings)
+
+
+def _oracle_rows(plan: Plan) -> list[CaseResult]:
+    """Layout invariance of every scheme and clip placement, from the oracle alone."""
+    rows: list[CaseResult] = []
+    for fixture in plan.fixtures:
+        layouts = [
+            (R, M)
+            for R, M in plan.layouts(fixture)
+            if R in plan.world_sizes and M in plan.accum_steps
+        ]
+        for scheme in plan.schemes:
+            rows.extend(layout_invariance(builtin_fixture(fixture), scheme, layouts))
+        for max_norm in CLIP_THRESHOLDS:
+            rows.extend(
+                clip_placement(builtin_fixture(fixture), "token_mean", R, M, max_norm)
+                for R, M in layouts
+                if R * M > 1
+            )
+    return rows

@@ -67,9 +67,14 @@ def weighted_loss(params: Params, inputs: np.ndarray, targets: np.ndarray, c: np
 
 def weighted_grad(params: Params, inputs: np.ndarray, targets: np.ndarray, c: np.ndarray) -> Params:
     """dL/dparams of L = sum_t c_t l_t, closed form (see the module docstring)."""
+    errors = token_terms(params, inputs, targets).errors
+    return _grad_from_errors(params, inputs, errors, c)
+
+
+def _grad_from_errors(params: Params, inputs: np.ndarray, errors: np.ndarray, c: np.ndarray):
+    """`weighted_grad` given the tokens' softmax errors e_t (computed once by the caller)."""
     embed = np.asarray(params["embed"], dtype=np.float64)
     unembed = np.asarray(params["unembed"], dtype=np.float64)
-    errors = token_terms(params, inputs, targets).errors
     flat_inputs = inputs.ravel()
     scaled = (c[..., None] * errors).reshape(flat_inputs.size, -1)  # c_t e_t, [tokens, V]
     d_unembed = embed[flat_inputs].T @ scaled
@@ -133,7 +138,7 @@ def loss_and_grad(
     denominator = _denominator(scheme, batch)
     terms = token_terms(params, fixture.inputs, fixture.targets)
     loss = math.fsum((weights * terms.losses).ravel().tolist())
-    grads = weighted_grad(params, fixture.inputs, fixture.targets, weights)
+    grads = _grad_from_errors(params, fixture.inputs, terms.errors, weights)
     no_valid = not np.any(weights)
     rank_weights = (weights * denominator).reshape(world_size, -1)
     rank_losses = terms.losses.reshape(world_size, -1)

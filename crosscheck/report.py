@@ -17,6 +17,7 @@ from rich.table import Table
 
 from crosscheck.cases import Case, CaseResult, RankMetrics
 from crosscheck.compare import RTOL_BY_DTYPE
+from crosscheck.schedule import JobTiming
 from crosscheck.schemes import get_scheme
 
 CHECK_TITLES = {
@@ -108,6 +109,17 @@ def print_results(console: Console, rows: list[CaseResult], per_case: bool = Fal
         )
     if len(failures) > 20:
         console.print(f"[red]... and {len(failures) - 20} more failures (see --json)[/]")
+
+
+def timings_table(timings: Iterable[JobTiming]) -> Table:
+    """When each job of the run started and ended: where the wall time went."""
+    table = Table(title="jobs (seconds since the run's jobs began)")
+    for column in ("job", "processes", "start", "end", "took"):
+        table.add_column(column, justify="left" if column == "job" else "right")
+    for t in timings:
+        took = t.end - t.start
+        table.add_row(t.name, str(t.processes), f"{t.start:.1f}", f"{t.end:.1f}", f"{took:.1f}")
+    return table
 
 
 def summary_line(rows: list[CaseResult], wall_s: float) -> str:

@@ -9,20 +9,28 @@ uninterrupted run and the oracle's.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
 
 from crosscheck.cases import CaseResult, ResumeCase, ResumeOutput, TrainSettings
 from crosscheck.catalogue import builtin_fixture
 from crosscheck.compare import RTOL_BY_DTYPE, tree_rel_err
-from crosscheck.harness import clip_convention
-from crosscheck.optimizers import train
+from crosscheck.harness import clip_convention, oracle_records
+from crosscheck.schedule import Job
 
 #: impl -> module providing run_resume(cases, settings, on_done)
 RESUME_RUNNERS: dict[str, str] = {
     "torch-ddp": "crosscheck.runners.torch_runner",
     "jax-pmap": "crosscheck.runners.jax_resume",
 }
+
+#: Processes a resume job keeps busy: torch starts ranks at world sizes 2, then 1, 2 and 4
+#: (about 2 at a time); JAX runs one worker process per phase.
+RESUME_PROCESSES: dict[str, int] = {"torch-ddp": 2, "jax-pmap": 1}
+#: CPU seconds per resume case (measured on 2 cores): JAX compiles the split windows.
+RESUME_COST_PER_CASE: dict[str, float] = {"torch-ddp": 0.09, "jax-pmap": 0.15}
 
 #: (resume R, resume M, microbatches done in the stopped update)
 SCENARIOS: tuple[tuple[int, int, int], ...] = ((2, 2, 0), (4, 1, 0), (1, 4, 0), (2, 2, 1))
@@ -59,15 +67,14 @@ def default_cases(
 
 def compare_resume(case: ResumeCase, output: ResumeOutput, settings: TrainSettings) -> CaseResult:
     """The resumed run against the uninterrupted one and against the oracle."""
-    expected = train(
-        builtin_fixture(case.fixture),
+    # Cached: the cases of one run share their uninterrupted oracle run.
+    expected = oracle_records(
+        case.fixture,
         case.scheme,
         case.world_size,
         case.accum_steps,
-        num_updates=case.num_updates,
-        optimizer=settings.optimizer,
-        max_grad_norm=settings.max_grad_norm,
-        clip_convention=clip_convention(case.impl),
+        dataclasses.replace(settings, num_updates=case.num_updates),
+        clip_convention(case.impl),
     )[-1].params
     vs_self = tree_rel_err(output.resumed, output.uninterrupted)
     vs_oracle = tree_rel_err(output.resumed, expected)
@@ -105,32 +112,47 @@ def _row(case: ResumeCase, *, max_rel_err: float, ok: bool, detail: str) -> Case
     )
 
 
-def run_resume_rows(
+def resume_jobs(
+    cases: list[ResumeCase],
+    settings: TrainSettings,
+    on_row: Callable[[CaseResult], None],
+) -> list[Job]:
+    """One job per implementation: run its resume cases, report a row each through `on_row`."""
+    by_impl: dict[str, list[ResumeCase]] = {}
+    for case in cases:
+        by_impl.setdefault(case.impl, []).append(case)
+    return [
+        Job(
+            name=f"resume {impl}",
+            processes=RESUME_PROCESSES[impl],
+            cost=RESUME_COST_PER_CASE[impl] * len(group),
+            run=functools.partial(_run_impl, impl, group, settings, on_row),
+        )
+        for impl, group in by_impl.items()
+    ]
+
+
+def _run_impl(
+    impl: str,
     cases: list[ResumeCase],
     settings: TrainSettings,
     on_row: Callable[[CaseResult], None],
 ) -> None:
-    """Run every resume case through its framework's runner and report a row each."""
-    by_impl: dict[str, list[ResumeCase]] = {}
-    for case in cases:
-        by_impl.setdefault(case.impl, []).append(case)
-    for impl, group in by_impl.items():
+    def on_done(case: ResumeCase, result: ResumeOutput | BaseException) -> None:
+        if isinstance(result, BaseException):
+            row = _row(
+                case,
+                max_rel_err=float("inf"),
+                ok=False,
+                detail=f"{type(result).__name__}: {result}",
+            )
+        else:
+            row = compare_resume(case, result, settings)
+        on_row(row)
 
-        def on_done(case: ResumeCase, result: ResumeOutput | BaseException) -> None:
-            if isinstance(result, BaseException):
-                row = _row(
-                    case,
-                    max_rel_err=float("inf"),
-                    ok=False,
-                    detail=f"{type(result).__name__}: {result}",
-                )
-            else:
-                row = compare_resume(case, result, settings)
-            on_row(row)
-
-        try:
-            runner = importlib.import_module(RESUME_RUNNERS[impl])
-            runner.run_resume(group, settings, on_done)
-        except Exception as error:  # the runner itself failed: every case it had fails
-            for case in group:
-                on_done(case, error)
+    try:
+        runner = importlib.import_module(RESUME_RUNNERS[impl])
+        runner.run_resume(cases, settings, on_done)
+    except Exception as error:  # the runner itself failed: every case it had fails
+        for case in cases:
+            on_done(case, error)

@@ -44,7 +44,7 @@ from crosscheck import (
 )
 from crosscheck.compare import leaf_rel_err
 from crosscheck.optimizers import UpdateRecord
-from jax_impl.launch import run_workers
+from jax_impl.launch import SMALL_PROGRAM_XLA_FLAGS, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = {"float32": FLOAT32_RTOL, "float64": FLOAT64_RTOL}  # why these sizes: crosscheck.compare
@@ -66,13 +66,8 @@ SGD = SGDConfig()
 # the larger fixtures (~1-100), so both branches of optax's clip run in every front-end.
 MAX_GRAD_NORM = 1.0
 SGD_FIXTURE = "packed"
-# Compile-time flags of the runner processes (see the module docstring): -O0 LLVM code
-# generation and XLA:CPU's classic elemental emitters instead of the MLIR fusion emitters
-# roughly halve, together, the compile time of these small programs (0.6 s -> 0.3 s each).
-RUNNER_XLA_FLAGS = (
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-    "--xla_cpu_use_fusion_emitters=false"
-)
+# Compile-time flags of the runner processes (see the module docstring).
+RUNNER_XLA_FLAGS = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
 
 OracleKey = tuple[str, str, int, int, str]  # fixture, scheme, R, M, optimizer
 OracleTable = Mapping[OracleKey, tuple[UpdateRecord, ...]]

@@ -1,9 +1,10 @@
 """Run a function on R real processes with a gloo process group; every wait is bounded.
 
-``launch(fn, world_size, args)`` spawns R processes (``torch.multiprocessing``, spawn start
-method), joins them into a gloo process group through a ``file://`` rendezvous in a fresh
-temporary directory (no port to race for), calls ``fn(rank, world_size, *args)`` on each and
-returns the R results in rank order. It never hangs:
+``launch(fn, world_size, args)`` starts R processes (``torch.multiprocessing``, forked from a
+fork server that imported torch once, see `_rank_context`), joins them into a gloo process
+group through a ``file://`` rendezvous in a fresh temporary directory (no port to race for),
+calls ``fn(rank, world_size, *args)`` on each and returns the R results in rank order. It
+never hangs:
 
 * the job and the results travel through files in a fresh temporary directory, so starting
   a process never blocks on a pipe its child may not live to read;
@@ -91,6 +92,24 @@ def _worker(
             dist.destroy_process_group()
 
 
+def _rank_context(fn: Callable[..., Any]) -> Any:
+    """Where rank processes come from: forked from a fork server that imported torch once.
+
+    A spawned rank re-imports torch (about 1.2 s of CPU each); the fork server imports it, and
+    the module of the first function launched, once per parent process and forks every rank
+    from that clean, single-threaded process. Forking the caller itself would be unsafe: it
+    may run threads (the harness does), and a fork copies their locks but not the threads.
+    """
+    context = mp.get_context("forkserver")
+    # Only the first call's list counts: the server starts once and keeps its imports.
+    # torch._dynamo is what DDP's constructor and FSDP2 import on first use (about 2.5 s of
+    # CPU in every rank otherwise); the FSDP2 module pulls in DTensor.
+    context.set_forkserver_preload(
+        ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", fn.__module__]
+    )
+    return context
+
+
 def _result_file(rank: int) -> str:
     return f"result-{rank}.pkl"
 
@@ -118,10 +137,10 @@ def launch(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not dist.is_available() or not dist.is_gloo_available():
         raise RuntimeError("torch.distributed with the gloo backend is required and missing")
-    context = mp.get_context("spawn")
+    context = _rank_context(fn)
     results = context.Queue()
     workdir = tempfile.mkdtemp(prefix="gradweight-launch-")
-    # The job goes through a file, not the spawn pipe: Process.start() writes its arguments
+    # The job goes through a file, not the start pipe: Process.start() writes its arguments
     # into a pipe and blocks until the child reads them, so a child that dies while starting
     # (e.g. a main module without the __main__ guard) would hang the caller on a large job.
     _write_atomic(os.path.join(workdir, _JOB_FILE), (fn, tuple(args)))

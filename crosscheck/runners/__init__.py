@@ -2,8 +2,9 @@
 
 Each framework's runner module is imported only when one of its implementations is asked for:
 crosscheck itself needs neither JAX nor torch. A runner module provides
-``supports(case) -> bool`` and ``run(cases, settings, on_done)``, which reports every case it
-was given through ``on_done(case, output_or_error)``.
+``supports(case) -> bool`` and ``jobs(cases, settings, on_done) -> list[Job]``
+(`crosscheck.schedule`); running all of its jobs reports every case it was given through
+``on_done(case, output_or_error)``.
 """
 
 from __future__ import annotations

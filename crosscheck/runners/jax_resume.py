@@ -62,7 +62,7 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
     uninterrupted=params after case.num_updates of the reference pmap step without a stop),
     or the exception that prevented it.
     """
-    from crosscheck.runners.jax_runner import _worker_env
+    from crosscheck.runners.jax_runner import _worker_env, worker_zygote
     from jax_impl.launch import run_workers
 
     runnable = []
@@ -98,6 +98,7 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
                     timeout_s=PHASE_TIMEOUT_S,
                     log_dir=work / f"logs-{phase}",
                     env=_worker_env(),
+                    zygote=worker_zygote(),
                 )
             except Exception as error:
                 for case in runnable:

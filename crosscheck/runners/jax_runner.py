@@ -1,32 +1,39 @@
-"""Running harness cases on JAX: one worker process per dtype, one process set per world size.
+"""Running harness cases on JAX: a worker per front-end and world size, a launch per world size.
 
 The in-process front-ends (pmap, shard_map, global jit) run in `crosscheck.runners.jax_worker`
-with eight fake CPU devices; the multi-process front-end runs `jax_impl.multiprocess` on R real
-processes joined by jax.distributed over gloo, one launch per world size serving every case of
-that size. Every wait is bounded by `jax_impl.launch.run_workers`.
+with eight fake CPU devices, one worker process per front-end, world size and dtype; the
+multi-process front-end runs `jax_impl.multiprocess` on R real processes joined by
+jax.distributed over gloo, one launch per world size serving every case of that size. Every
+worker is forked from one zygote that imported JAX once (`jax_impl.zygote`), and every wait is
+bounded by `jax_impl.launch.run_workers`.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import pickle
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from crosscheck.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.catalogue import builtin_fixture
+from crosscheck.schedule import Job
+
+if TYPE_CHECKING:
+    from jax_impl.zygote import Zygote
 
 OnDone = Callable[[Case, CaseOutput | BaseException], None]
 
 IN_PROCESS = ("jax-pmap", "jax-shard_map", "jax-jit")
 WORKER_TIMEOUT_S = 300.0
-# These programs are tiny: LLVM at -O0 compiles them much faster, and code generation at any
-# level keeps IEEE semantics (XLA's own HLO passes are unchanged).
-XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 MULTIPROCESS_SIZES = (2, 4)
 
 
@@ -45,9 +52,51 @@ def supports(case: Case) -> bool:
     return case.world_size <= 8
 
 
+#: What the zygote imports once for every worker it forks (see `jax_impl.zygote`).
+ZYGOTE_PRELOAD = (
+    "jax",
+    "jax.numpy",
+    "optax",
+    "jax_impl",
+    "jax_impl.multiprocess",
+    "jax_impl.resume",
+    "orbax.checkpoint",
+    "crosscheck.runners.jax_worker",
+    "crosscheck.runners.jax_resume",
+)
+_zygote_lock = threading.Lock()
+_zygote_state: dict[str, Zygote | None] = {}
+
+
+def worker_zygote() -> Zygote | None:
+    """This process's JAX zygote, started on first use; None where one cannot run.
+
+    Every JAX worker of a run is forked from it instead of importing JAX itself (about 1.3 s
+    of CPU each). Where fork is unavailable or the zygote refuses to serve, workers start
+    afresh as before: slower, not different.
+    """
+    with _zygote_lock:
+        if "zygote" not in _zygote_state:
+            from jax_impl.zygote import Zygote, ZygoteError
+
+            zygote = None
+            if hasattr(os, "fork"):
+                log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{os.getpid()}.log"
+                try:
+                    zygote = Zygote(ZYGOTE_PRELOAD, _worker_env(), log)
+                except (ZygoteError, OSError):
+                    zygote = None
+                else:
+                    atexit.register(zygote.close)
+            _zygote_state["zygote"] = zygote
+        return _zygote_state["zygote"]
+
+
 def _worker_env() -> dict[str, str]:
+    from jax_impl.launch import SMALL_PROGRAM_XLA_FLAGS  # here: importing jax_impl imports jax
+
     env = dict(os.environ)
-    env["XLA_FLAGS"] = XLA_FLAGS
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
     env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("OMP_NUM_THREADS", "1")
     root = str(Path(__file__).resolve().parents[2])
@@ -55,31 +104,33 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _run_in_process(cases: list[Case], settings: TrainSettings, on_done: OnDone, work: Path):
+def _run_in_process(
+    cases: list[Case], settings: TrainSettings, on_done: OnDone, dtype: str
+) -> None:
+    """One worker process with eight CPU devices runs `cases`, all of one dtype."""
     from jax_impl.launch import run_workers
 
-    by_dtype: dict[str, list[Case]] = {}
+    with tempfile.TemporaryDirectory(prefix="gradweight-jax-") as tmp:
+        work = Path(tmp)
+        job, out = work / "job.pkl", work / "out.pkl"
+        job.write_bytes(pickle.dumps({"cases": cases, "settings": settings, "dtype": dtype}))
+        command = [sys.executable, "-m", "crosscheck.runners.jax_worker", str(job), str(out)]
+        try:
+            run_workers(
+                [command],
+                timeout_s=WORKER_TIMEOUT_S,
+                log_dir=work,
+                env=_worker_env(),
+                zygote=worker_zygote(),
+            )
+        except Exception as error:
+            for case in cases:
+                on_done(case, error)
+            return
+        results = pickle.loads(out.read_bytes())
     for case in cases:
-        by_dtype.setdefault(case.dtype, []).append(case)
-    commands, outs = [], {}
-    for dtype, group in sorted(by_dtype.items()):
-        job = work / f"job-{dtype}.pkl"
-        job.write_bytes(pickle.dumps({"cases": group, "settings": settings, "dtype": dtype}))
-        outs[dtype] = work / f"out-{dtype}.pkl"
-        commands.append(
-            [sys.executable, "-m", "crosscheck.runners.jax_worker", str(job), str(outs[dtype])]
-        )
-    try:
-        run_workers(commands, timeout_s=WORKER_TIMEOUT_S, log_dir=work, env=_worker_env())
-    except Exception as error:
-        for case in cases:
-            on_done(case, error)
-        return
-    for dtype, group in by_dtype.items():
-        results = pickle.loads(outs[dtype].read_bytes())
-        for case in group:
-            result = results.get(case, "the worker produced no result for this case")
-            on_done(case, JaxCaseError(result) if isinstance(result, str) else result)
+        result = results.get(case, "the worker produced no result for this case")
+        on_done(case, JaxCaseError(result) if isinstance(result, str) else result)
 
 
 def _multiprocess_output(case: Case, per_process: list[dict], index: int, n: int) -> CaseOutput:
@@ -112,15 +163,17 @@ def _multiprocess_output(case: Case, per_process: list[dict], index: int, n: int
     )
 
 
-def _run_multiprocess(cases: list[Case], settings: TrainSettings, on_done: OnDone, work: Path):
+def _run_multiprocess(
+    cases: list[Case], settings: TrainSettings, on_done: OnDone, world_size: int, dtype: str
+) -> None:
+    """One launch of `world_size` processes runs every multi-process case of that size."""
+    from jax_impl.launch import SMALL_PROGRAM_XLA_FLAGS
     from jax_impl.multiprocess import launch_multiprocess
 
     c = settings.optimizer
-    by_size: dict[tuple[int, str], list[Case]] = {}
-    for case in cases:
-        by_size.setdefault((case.world_size, case.dtype), []).append(case)
-    for (world_size, dtype), group in sorted(by_size.items()):
-        batches = sorted({(case.fixture, case.accum_steps) for case in group})
+    batches = sorted({(case.fixture, case.accum_steps) for case in cases})
+    with tempfile.TemporaryDirectory(prefix="gradweight-jax-mp-") as tmp:
+        work = Path(tmp)
         spec_cases = []
         for fixture, M in batches:
             path = work / f"{fixture}.npz"
@@ -131,7 +184,7 @@ def _run_multiprocess(cases: list[Case], settings: TrainSettings, on_done: OnDon
             "cases": spec_cases,
             "dtypes": [dtype],
             "x64": dtype == "float64",
-            "schemes": sorted({case.scheme for case in group}),
+            "schemes": sorted({case.scheme for case in cases}),
             "variants": [["precount", "pmean"], ["postnorm", "psum"]],
             "optimizer": {
                 "name": "adamw",
@@ -146,29 +199,70 @@ def _run_multiprocess(cases: list[Case], settings: TrainSettings, on_done: OnDon
         }
         try:
             per_process = launch_multiprocess(
-                spec, world_size, work / f"mp-{world_size}-{dtype}", timeout_s=WORKER_TIMEOUT_S
+                spec,
+                world_size,
+                work / "run",
+                timeout_s=WORKER_TIMEOUT_S,
+                extra_xla_flags=SMALL_PROGRAM_XLA_FLAGS,
+                zygote=worker_zygote(),
             )
         except Exception as error:
-            for case in group:
+            for case in cases:
                 on_done(case, error)
-            continue
-        for case in group:
-            index = batches.index((case.fixture, case.accum_steps))
-            try:
-                output = _multiprocess_output(case, per_process, index, settings.num_updates)
-            except Exception as error:
-                on_done(case, error)
-            else:
-                on_done(case, output)
+            return
+    for case in cases:
+        index = batches.index((case.fixture, case.accum_steps))
+        try:
+            output = _multiprocess_output(case, per_process, index, settings.num_updates)
+        except Exception as error:
+            on_done(case, error)
+        else:
+            on_done(case, output)
 
 
-def run(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> None:
-    """Run every case; report each through `on_done`."""
-    with tempfile.TemporaryDirectory(prefix="gradweight-jax-") as tmp:
-        work = Path(tmp)
-        in_process = [case for case in cases if case.impl in IN_PROCESS]
-        multiprocess = [case for case in cases if case.impl == "jax-multiprocess"]
-        if in_process:
-            _run_in_process(in_process, settings, on_done, work)
-        if multiprocess:
-            _run_multiprocess(multiprocess, settings, on_done, work)
+def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Job]:
+    """The work for `cases`: one worker process per in-process front-end and dtype, one launch
+    per world size and dtype for the multi-process front-end. Each reports its cases through
+    `on_done`. A process of its own per front-end costs a JAX import (about 1.5 s) but lets
+    the front-ends compile side by side: one worker for all three would be the run's longest
+    job by far."""
+    in_process: dict[tuple[str, int, str], list[Case]] = {}
+    multiprocess: dict[tuple[int, str], list[Case]] = {}
+    for case in cases:
+        if case.impl in IN_PROCESS:
+            in_process.setdefault((case.impl, case.world_size, case.dtype), []).append(case)
+        elif case.impl == "jax-multiprocess":
+            multiprocess.setdefault((case.world_size, case.dtype), []).append(case)
+        else:
+            raise ValueError(f"{case.describe()}: not a JAX implementation")
+    # Costs (CPU seconds, measured on 2 cores): compiling and running one program per
+    # front-end, layout and batch shape, paid by every process of a multi-process launch.
+    work = [
+        Job(
+            name=f"{impl} R={world_size} {dtype}",
+            processes=1,
+            cost=0.5 + 0.8 * _programs(group),
+            run=functools.partial(_run_in_process, group, settings, on_done, dtype),
+        )
+        for (impl, world_size, dtype), group in sorted(in_process.items())
+    ]
+    work += [
+        Job(
+            name=f"jax-multiprocess R={world_size} {dtype}",
+            processes=world_size,
+            cost=world_size * (1.0 + 0.5 * _programs(group)),
+            run=functools.partial(_run_multiprocess, group, settings, on_done, world_size, dtype),
+        )
+        for (world_size, dtype), group in sorted(multiprocess.items())
+    ]
+    return work
+
+
+def _programs(cases: list[Case]) -> int:
+    """Distinct compiled sweeps among `cases`: one per front-end, layout and batch shape."""
+    return len(
+        {
+            (c.impl, c.world_size, c.accum_steps, builtin_fixture(c.fixture).targets.shape)
+            for c in cases
+        }
+    )

@@ -1,9 +1,10 @@
 """Running harness cases on torch: one process group per world size serves all its cases.
 
 `torch_impl.cases.run_cases` runs on every rank of a real gloo process group; this side builds
-its case list, launches once per world size (bounded by a timeout), and turns each rank's plain
-numpy output into a `CaseOutput`. The accidental schemes are produced the way real loops
-produce them: F.cross_entropy(reduction="mean") per microbatch under plain DDP averaging
+its case list, makes one job per world size that launches once (bounded by a timeout; ranks
+are forked from a fork server that imported torch, see `torch_impl.launcher`), and turns each
+rank's plain numpy output into a `CaseOutput`. The accidental schemes are produced the way real
+loops produce them: F.cross_entropy(reduction="mean") per microbatch under plain DDP averaging
 (`mean_loss`), which is rank_mean at M = 1 and microbatch_mean at M > 1.
 
 `run_resume` checks checkpoint resume: a first round of launches (one per world size) stops
@@ -14,6 +15,7 @@ resume world size) loads and continues; the uninterrupted baselines ride in the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from crosscheck.cases import (
 )
 from crosscheck.catalogue import builtin_fixture
 from crosscheck.fixtures import BATCH_KEYS
+from crosscheck.schedule import Job
 
 IMPLS: dict[str, str] = {"torch-ddp": "ddp", "torch-fsdp2": "fsdp2"}
 LAUNCH_TIMEOUT_S = 300.0
@@ -112,34 +115,51 @@ def _case_output(case: Case, per_rank: list) -> CaseOutput:
     )
 
 
-def run(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> None:
-    """Run every case, one launch per world size; report each case through `on_done`."""
+def _run_world(
+    cases: list[Case], settings: TrainSettings, on_done: OnDone, world_size: int
+) -> None:
+    """One launch of `world_size` ranks runs every case of that size."""
     from torch_impl.cases import run_cases
     from torch_impl.launcher import launch
 
+    try:
+        per_rank = launch(
+            run_cases,
+            world_size,
+            ([_update_case(case, settings) for case in cases],),
+            timeout_s=LAUNCH_TIMEOUT_S,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        )
+    except Exception as error:  # a failed launch fails every case it carried, by name
+        for case in cases:
+            on_done(case, error)
+        return
+    for index, case in enumerate(cases):
+        try:
+            output = _case_output(case, [rank_outputs[index] for rank_outputs in per_rank])
+        except Exception as error:
+            on_done(case, error)
+        else:
+            on_done(case, output)
+
+
+def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Job]:
+    """One launch per world size; each reports its cases through `on_done`."""
     by_world: dict[int, list[Case]] = {}
     for case in cases:
         by_world.setdefault(case.world_size, []).append(case)
-    for world_size, group in sorted(by_world.items()):
-        try:
-            per_rank = launch(
-                run_cases,
-                world_size,
-                ([_update_case(case, settings) for case in group],),
-                timeout_s=LAUNCH_TIMEOUT_S,
-                collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-            )
-        except Exception as error:  # a failed launch fails every case it carried, by name
-            for case in group:
-                on_done(case, error)
-            continue
-        for index, case in enumerate(group):
-            try:
-                output = _case_output(case, [rank_outputs[index] for rank_outputs in per_rank])
-            except Exception as error:
-                on_done(case, error)
-            else:
-                on_done(case, output)
+    # Costs (CPU seconds, measured on 2 cores): a rank starts in about 0.5 s (forked from the
+    # fork server); a case costs every rank a few ms, more as ranks outnumber the cores and
+    # wait for each other at every collective.
+    return [
+        Job(
+            name=f"torch R={world_size}",
+            processes=world_size,
+            cost=0.5 * world_size + 0.004 * world_size**2 * len(group),
+            run=functools.partial(_run_world, group, settings, on_done, world_size),
+        )
+        for world_size, group in sorted(by_world.items())
+    ]
 
 
 def _resume_base(case: ResumeCase, settings: TrainSettings, world_size: int, accum_steps: int):

@@ -1,0 +1,286 @@
+"""A zygote: one process imports JAX once, then forks a worker for every ``python -m`` command.
+
+Importing jax, optax and orbax costs a worker process about 1.3 s of CPU before it does
+anything; a harness run starts a dozen workers. The zygote (``python -m jax_impl.zygote
+MODULE...``) imports the given modules once and stays single-threaded; for each request it
+forks a child that takes the request's environment, working directory and output files and
+runs the module as ``__main__``, exactly as ``python -m MODULE ARGS`` would. What stays from
+the zygote is only what was imported.
+
+That is sound because nothing JAX reads late has been read yet: importing jax creates no
+backend, so XLA_FLAGS (the fake device count, compile flags) and ``jax.config`` updates made
+by the worker take effect in the child; only options JAX reads at import time (the ``JAX_*``
+variables) come from the zygote's own environment, which is why the zygote is started with
+the workers' environment. Forking is unsafe in a process that runs threads, so the zygote
+refuses to serve if an import started one (OpenBLAS does unless OPENBLAS_NUM_THREADS=1).
+
+Protocol: the client writes one JSON request per line to the zygote's stdin (module, args, env,
+cwd, stdout, stderr, status paths); the zygote answers one JSON line with the child's pid, or
+an error. When a child exits the zygote writes its exit code to the request's status file
+(atomically). A closed stdin stops the zygote; running children finish on their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+#: Seconds the client waits for the zygote to answer a request (a fork takes milliseconds).
+REPLY_TIMEOUT_S = 30.0
+#: How often the zygote looks for exited children while it waits for requests.
+_REAP_INTERVAL_S = 0.02
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not start, refused to serve, or did not answer in time."""
+
+
+class ZygoteChild:
+    """A worker forked by the zygote, with the parts of ``subprocess.Popen`` a launcher uses.
+
+    It is the zygote's child, not ours: its exit code comes from the status file the zygote
+    writes when it reaps it.
+    """
+
+    def __init__(self, pid: int, status_path: Path, zygote: Zygote) -> None:
+        self.pid = pid
+        self._status_path = status_path
+        self._zygote = zygote
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                self.returncode = int(self._status_path.read_text())
+        if self.returncode is None and not self._zygote.alive and not _pid_alive(self.pid):
+            self.returncode = 255  # reaped by init after the zygote died: status unknown
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(_REAP_INTERVAL_S)
+        return self.returncode  # type: ignore[return-value]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Zygote:
+    """The client side: start the zygote, ask it for workers, stop it. Thread-safe."""
+
+    def __init__(
+        self, preload: Sequence[str], env: Mapping[str, str], log_path: str | Path
+    ) -> None:
+        self._lock = threading.Lock()
+        self._log_path = Path(log_path)
+        with self._log_path.open("ab") as log:  # the child keeps its own copy of the fd
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "jax_impl.zygote", *preload],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=dict(env),
+            )
+        self._reply_buffer = b""
+        ready = self._read_reply()
+        if ready.get("ready") is not True:
+            self.close()
+            raise ZygoteError(f"the zygote refused to serve: {ready.get('error', ready)}")
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def spawn(
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | Path | None,
+        stdout: Path,
+        stderr: Path,
+    ) -> ZygoteChild:
+        """Fork a child running ``python -m module *args`` with this environment and output."""
+        status = stderr.with_name(stderr.name + ".exitcode")
+        status.unlink(missing_ok=True)
+        request = {
+            "module": module,
+            "args": list(args),
+            "env": dict(env),
+            "cwd": None if cwd is None else str(cwd),
+            "stdout": str(stdout),
+            "stderr": str(stderr),
+            "status": str(status),
+        }
+        with self._lock:
+            if not self.alive:
+                raise ZygoteError(f"the zygote exited with {self._process.returncode}")
+            assert self._process.stdin is not None
+            self._process.stdin.write(json.dumps(request).encode() + b"\n")
+            self._process.stdin.flush()
+            reply = self._read_reply()
+        if "pid" not in reply:
+            raise ZygoteError(f"the zygote could not start {module}: {reply.get('error', reply)}")
+        return ZygoteChild(int(reply["pid"]), status, self)
+
+    def _read_reply(self) -> dict:
+        """One JSON line from the zygote, within REPLY_TIMEOUT_S."""
+        assert self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while b"\n" not in self._reply_buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ZygoteError(f"no answer from the zygote within {REPLY_TIMEOUT_S:g} s")
+            readable, _, _ = select.select([fd], [], [], left)
+            if readable:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise ZygoteError(
+                        f"the zygote exited (status {self._process.wait()}); see {self._log_path}"
+                    )
+                self._reply_buffer += chunk
+        line, self._reply_buffer = self._reply_buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        """Stop the zygote (its running children finish on their own)."""
+        with contextlib.suppress(OSError):
+            if self._process.stdin is not None:
+                self._process.stdin.close()
+        try:
+            self._process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait(timeout=5.0)
+        with contextlib.suppress(OSError):
+            if self._log_path.stat().st_size == 0:  # nothing went wrong: leave nothing behind
+                self._log_path.unlink()
+
+
+# ---- the zygote process ----------------------------------------------------------------------
+
+
+def _write(line: dict) -> None:
+    os.write(1, json.dumps(line).encode() + b"\n")
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become ``python -m module args`` and exit with its status."""
+    code = 1
+    try:
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["cwd"]:
+            os.chdir(request["cwd"])
+        sys.argv = [request["module"], *request["args"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
+                print(exit_.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(children: dict[int, str]) -> None:
+    """Write the exit code of every child that has exited to its status file."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = children.pop(pid, None)
+        if path is not None:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(tmp, path)
+
+
+def serve(preload: Sequence[str]) -> int:
+    """Import `preload`, then fork a child per request on stdin until stdin closes."""
+    for module in preload:
+        importlib.import_module(module)
+    threads = _thread_count()
+    if threads != 1:
+        _write({"ready": False, "error": f"{threads} threads after the imports; fork is unsafe"})
+        return 3
+    _write({"ready": True})
+    children: dict[int, str] = {}
+    buffer = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], _REAP_INTERVAL_S)
+        _reap(children)
+        if not readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            break
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            try:
+                request = json.loads(line)
+                pid = os.fork()
+            except Exception as error:
+                _write({"error": f"{type(error).__name__}: {error}"})
+                continue
+            if pid == 0:
+                _child(request)
+            children[pid] = request["status"]
+            _write({"pid": pid})
+    # stdin closed: the client is gone or done. Children already running finish on their own.
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))

@@ -1,0 +1,103 @@
+"""The JAX zygote: workers forked from one process that imported JAX, launched like any other.
+
+The harness forks every JAX worker from `jax_impl.zygote` instead of starting a fresh Python
+(`crosscheck.runners.jax_runner.worker_zygote`). A forked worker must behave exactly like
+``python -m MODULE``: its own XLA_FLAGS (the fake device count is read after the fork), argv,
+environment, working directory and output files, its exit status, and a bounded wait.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_impl.launch import LaunchError, run_workers
+from jax_impl.zygote import Zygote, ZygoteError
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    zygote = Zygote(["jax", "zygote_probe"], _env(), tmp_path_factory.mktemp("z") / "log")
+    yield zygote
+    zygote.close()
+
+
+def _probe(code: int, sleep_s: float = 0.0) -> list[str]:
+    return [sys.executable, "-m", "zygote_probe", str(code), str(sleep_s)]
+
+
+def test_forked_workers_see_their_own_flags_argv_env_and_cwd(zygote, tmp_path):
+    results = [
+        run_workers(
+            [_probe(0)],
+            timeout_s=60,
+            log_dir=tmp_path / name,
+            env=_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}", GW_PROBE=name),
+            cwd=tmp_path,
+            zygote=zygote,
+        )[0]
+        for name, count in (("eight", 8), ("one", 1))
+    ]
+    reports = [json.loads(r.stdout_path.read_text()) for r in results]
+    assert [r["devices"] for r in reports] == [8, 1]
+    assert [r["probe"] for r in reports] == ["eight", "one"]
+    assert all(r["argv"] == ["0", "0.0"] for r in reports)
+    assert all(Path(r["cwd"]) == tmp_path for r in reports)
+    # Forked by the zygote, not started by this process.
+    assert all(r["ppid"] != os.getpid() for r in reports)
+    assert "probe exiting with 0" in results[0].stderr_tail()
+
+
+def test_a_failing_worker_is_reported_with_its_status_and_stderr(zygote, tmp_path):
+    with pytest.raises(LaunchError) as error:
+        run_workers(
+            [_probe(0, 30.0), _probe(7)],
+            timeout_s=60,
+            log_dir=tmp_path,
+            env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+            zygote=zygote,
+        )
+    message = str(error.value)
+    assert "worker(s) [1] failed" in message
+    assert "exited with 7" in message and "probe exiting with 7" in message
+    # The sleeping peer was killed, not left behind.
+    assert "still running (killed)" in message
+
+
+def test_the_wait_is_bounded_and_the_worker_killed(zygote, tmp_path):
+    with pytest.raises(LaunchError, match="still running after 2 s"):
+        run_workers(
+            [_probe(0, 60.0)],
+            timeout_s=2,
+            log_dir=tmp_path,
+            env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+            zygote=zygote,
+        )
+    # The launcher waited for the kill to land: the zygote reaped the child (SIGKILL: -9).
+    assert (tmp_path / "worker0.err.exitcode").read_text() == "-9"
+
+
+def test_the_zygote_refuses_to_fork_a_threaded_process(tmp_path):
+    with pytest.raises(ZygoteError, match="threads after the imports; fork is unsafe"):
+        Zygote(["zygote_threaded"], _env(), tmp_path / "log")
+
+
+def test_the_harness_forks_its_jax_workers():
+    from crosscheck.runners.jax_runner import worker_zygote
+
+    zygote = worker_zygote()
+    assert zygote is not None and zygote.alive
