@@ -67,9 +67,11 @@ class _RowWriter:
     def pad_to(self, seq_len: int) -> None:
         """Widen every row to `seq_len` with padding: no input, an ignored target, segment 0.
 
-        The padding carries no loss under any scheme, so the objective is unchanged; it gives
-        the 8-row fixtures one shape, (8, 64), and a compiled JAX program per layout then
-        serves all four instead of one per sequence length.
+        The padding carries no loss, so every token's loss and every count, segment and weight
+        sum is unchanged; only `constant`, whose D = N T counts every target slot by
+        definition (padding included, as T5X's), sees the longer rows. It gives the 8-row
+        fixtures one shape, (8, 64), and a compiled JAX program per layout then serves all four
+        instead of one per sequence length.
         """
         extra = seq_len - self.inputs.shape[1]
         if extra < 0:

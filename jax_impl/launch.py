@@ -18,10 +18,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jax_impl.zygote import Zygote
+from jax_impl.zygote import Zygote, ZygoteError
 
 POLL_INTERVAL_S = 0.05
 #: XLA flags for worker processes that compile many tiny programs, where compiling is most of
@@ -101,18 +99,21 @@ def run_workers(
         for index, command in enumerate(commands):
             out_path, err_path = log_dir / f"worker{index}.out", log_dir / f"worker{index}.err"
             paths.append((out_path, err_path))
-            if zygote is not None and list(command[:2]) == [sys.executable, "-m"]:
-                processes.append(
-                    zygote.spawn(
-                        command[2],
-                        command[3:],
-                        env=dict(os.environ if env is None else env),
-                        cwd=cwd,
-                        stdout=out_path,
-                        stderr=err_path,
+            if zygote is not None and zygote.alive and list(command[:2]) == [sys.executable, "-m"]:
+                try:
+                    processes.append(
+                        zygote.spawn(
+                            command[2],
+                            command[3:],
+                            env=dict(os.environ if env is None else env),
+                            cwd=cwd,
+                            stdout=out_path,
+                            stderr=err_path,
+                        )
                     )
-                )
-                continue
+                    continue
+                except ZygoteError:
+                    pass  # a zygote that failed is a slower start, not a failed worker
             with out_path.open("wb") as out, err_path.open("wb") as err:
                 processes.append(
                     subprocess.Popen(

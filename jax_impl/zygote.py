@@ -4,20 +4,23 @@ Importing jax, optax and orbax costs a worker process about 1.3 s of CPU before 
 anything; a harness run starts a dozen workers. The zygote (``python -m jax_impl.zygote
 MODULE...``) imports the given modules once and stays single-threaded; for each request it
 forks a child that takes the request's environment, working directory and output files and
-runs the module as ``__main__``, exactly as ``python -m MODULE ARGS`` would. What stays from
-the zygote is only what was imported.
+runs the module as ``__main__`` with the request's arguments. Differences from a fresh
+``python -m MODULE``: the modules the zygote imported are already imported; ``sys.argv[0]``
+is the module's name; ``sys.path`` and whatever a module reads from the environment at
+import time come from the zygote's environment (so it is started with the workers'); and the
+child ends with ``os._exit`` after flushing its output, so atexit handlers do not run (the
+workers shut down what they start themselves).
 
-That is sound because nothing JAX reads late has been read yet: importing jax creates no
-backend, so XLA_FLAGS (the fake device count, compile flags) and ``jax.config`` updates made
-by the worker take effect in the child; only options JAX reads at import time (the ``JAX_*``
-variables) come from the zygote's own environment, which is why the zygote is started with
-the workers' environment. Forking is unsafe in a process that runs threads, so the zygote
-refuses to serve if an import started one (OpenBLAS does unless OPENBLAS_NUM_THREADS=1).
+That is sound for JAX because importing jax creates no backend: XLA_FLAGS (the fake device
+count, compile flags) and ``jax.config`` updates made by the worker take effect in the child.
+Forking is unsafe in a process that runs threads, so the zygote refuses to serve if an import
+started one (OpenBLAS does unless OPENBLAS_NUM_THREADS=1).
 
-Protocol: the client writes one JSON request per line to the zygote's stdin (module, args, env,
-cwd, stdout, stderr, status paths); the zygote answers one JSON line with the child's pid, or
-an error. When a child exits the zygote writes its exit code to the request's status file
-(atomically). A closed stdin stops the zygote; running children finish on their own.
+Protocol: the client writes one JSON request per line to the zygote's stdin (an id, module,
+args, env, cwd, stdout, stderr and status paths); the zygote answers one JSON line with the
+same id and the child's pid, or an error. When a child exits, the zygote writes its exit code
+to the request's status file (atomically) before reaping it, so the pid cannot be reused
+while the client may still signal it. A closed stdin stops the zygote.
 """
 
 from __future__ import annotations
@@ -62,11 +65,19 @@ class ZygoteChild:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                self.returncode = int(self._status_path.read_text())
-        if self.returncode is None and not self._zygote.alive and not _pid_alive(self.pid):
-            self.returncode = 255  # reaped by init after the zygote died: status unknown
+            self.returncode = self._read_status()
+        if self.returncode is None and not self._zygote.alive:
+            # The zygote may have written the status just before it exited: read once more.
+            self.returncode = self._read_status()
+            if self.returncode is None and not _pid_alive(self.pid):
+                self.returncode = 255  # reaped by init after the zygote died: status unknown
         return self.returncode
+
+    def _read_status(self) -> int | None:
+        try:
+            return int(self._status_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
 
     def kill(self) -> None:
         if self.poll() is None:
@@ -109,7 +120,12 @@ class Zygote:
                 env=dict(env),
             )
         self._reply_buffer = b""
-        ready = self._read_reply()
+        self._next_id = 0
+        try:
+            ready = self._read_reply()
+        except Exception as error:
+            self.close()
+            raise ZygoteError(f"the zygote did not start: {error}") from error
         if ready.get("ready") is not True:
             self.close()
             raise ZygoteError(f"the zygote refused to serve: {ready.get('error', ready)}")
@@ -132,6 +148,7 @@ class Zygote:
         status = stderr.with_name(stderr.name + ".exitcode")
         status.unlink(missing_ok=True)
         request = {
+            "id": None,
             "module": module,
             "args": list(args),
             "env": dict(env),
@@ -143,10 +160,23 @@ class Zygote:
         with self._lock:
             if not self.alive:
                 raise ZygoteError(f"the zygote exited with {self._process.returncode}")
+            self._next_id += 1
+            request["id"] = self._next_id
             assert self._process.stdin is not None
-            self._process.stdin.write(json.dumps(request).encode() + b"\n")
-            self._process.stdin.flush()
-            reply = self._read_reply()
+            try:
+                self._process.stdin.write(json.dumps(request).encode() + b"\n")
+                self._process.stdin.flush()
+                reply = self._read_reply()
+            except (OSError, ZygoteError) as error:
+                # A reply that never came may still come later and be taken for the next
+                # request's: a zygote that lost step is stopped, not reused.
+                self._process.kill()
+                raise ZygoteError(f"the zygote failed to start {module}: {error}") from error
+            if reply.get("id") != request["id"]:
+                self._process.kill()
+                raise ZygoteError(
+                    f"the zygote answered request {reply.get('id')}, not {request['id']}"
+                )
         if "pid" not in reply:
             raise ZygoteError(f"the zygote could not start {module}: {reply.get('error', reply)}")
         return ZygoteChild(int(reply["pid"]), status, self)
@@ -230,20 +260,29 @@ def _child(request: dict) -> None:
 
 
 def _reap(children: dict[int, str]) -> None:
-    """Write the exit code of every child that has exited to its status file."""
+    """Write the exit code of every child that has exited to its status file, then reap it.
+
+    ``waitid(WNOWAIT)`` leaves the exited child a zombie while its status is written, so its
+    pid is not free for reuse until the client can see that it exited.
+    """
     while children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return
-        if pid == 0:
+        if info is None or info.si_pid == 0:
             return
-        path = children.pop(pid, None)
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        path = children.pop(info.si_pid, None)
         if path is not None:
             tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                f.write(str(os.waitstatus_to_exitcode(status)))
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "w") as f:
+                    f.write(str(code))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # its log directory is gone: the client stopped waiting for it
+        os.waitpid(info.si_pid, 0)
 
 
 def serve(preload: Sequence[str]) -> int:
@@ -268,16 +307,17 @@ def serve(preload: Sequence[str]) -> int:
         buffer += chunk
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
+            request: dict = {}
             try:
                 request = json.loads(line)
                 pid = os.fork()
             except Exception as error:
-                _write({"error": f"{type(error).__name__}: {error}"})
+                _write({"id": request.get("id"), "error": f"{type(error).__name__}: {error}"})
                 continue
             if pid == 0:
                 _child(request)
             children[pid] = request["status"]
-            _write({"pid": pid})
+            _write({"id": request["id"], "pid": pid})
     # stdin closed: the client is gone or done. Children already running finish on their own.
     return 0
 

@@ -91,6 +91,20 @@ def test_the_wait_is_bounded_and_the_worker_killed(zygote, tmp_path):
     assert (tmp_path / "worker0.err.exitcode").read_text() == "-9"
 
 
+def test_a_dead_zygote_means_plain_processes_not_failures(tmp_path):
+    dead = Zygote(["zygote_probe"], _env(), tmp_path / "log")
+    dead.close()
+    result = run_workers(
+        [_probe(0)],
+        timeout_s=60,
+        log_dir=tmp_path / "run",
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+        zygote=dead,
+    )[0]
+    report = json.loads(result.stdout_path.read_text())
+    assert report["devices"] == 2 and report["ppid"] == os.getpid()  # started by us
+
+
 def test_the_zygote_refuses_to_fork_a_threaded_process(tmp_path):
     with pytest.raises(ZygoteError, match="threads after the imports; fork is unsafe"):
         Zygote(["zygote_threaded"], _env(), tmp_path / "log")

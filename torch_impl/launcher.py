@@ -92,21 +92,31 @@ def _worker(
             dist.destroy_process_group()
 
 
-def _rank_context(fn: Callable[..., Any]) -> Any:
+#: What the fork server imports before it forks any rank: torch, and what DDP's constructor and
+#: FSDP2 import on first use (torch._dynamo, about 2.5 s of CPU in every rank otherwise; FSDP2
+#: pulls in DTensor), and this package. A fixed list: importing a caller's module there could
+#: hang or fail every launch; the module of `fn` is imported by each rank, as under spawn.
+FORK_SERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch_impl",
+)
+
+
+def _rank_context() -> Any:
     """Where rank processes come from: forked from a fork server that imported torch once.
 
-    A spawned rank re-imports torch (about 1.2 s of CPU each); the fork server imports it, and
-    the module of the first function launched, once per parent process and forks every rank
-    from that clean, single-threaded process. Forking the caller itself would be unsafe: it
-    may run threads (the harness does), and a fork copies their locks but not the threads.
+    A spawned rank re-imports torch and DDP's dependencies (about 4 s of CPU each); the fork
+    server imports them once per parent process and forks every rank from that clean,
+    single-threaded process. Forking the caller itself would be unsafe: it may run threads
+    (the harness does), and a fork copies their locks but not the threads. The server starts
+    with the first launch and keeps that moment's environment: a variable set in
+    ``os.environ`` after the first launch does not reach later ranks.
     """
     context = mp.get_context("forkserver")
-    # Only the first call's list counts: the server starts once and keeps its imports.
-    # torch._dynamo is what DDP's constructor and FSDP2 import on first use (about 2.5 s of
-    # CPU in every rank otherwise); the FSDP2 module pulls in DTensor.
-    context.set_forkserver_preload(
-        ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", fn.__module__]
-    )
+    context.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
     return context
 
 
@@ -137,7 +147,7 @@ def launch(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not dist.is_available() or not dist.is_gloo_available():
         raise RuntimeError("torch.distributed with the gloo backend is required and missing")
-    context = _rank_context(fn)
+    context = _rank_context()
     results = context.Queue()
     workdir = tempfile.mkdtemp(prefix="gradweight-launch-")
     # The job goes through a file, not the start pipe: Process.start() writes its arguments

@@ -72,24 +72,25 @@ def worker_zygote() -> Zygote | None:
     """This process's JAX zygote, started on first use; None where one cannot run.
 
     Every JAX worker of a run is forked from it instead of importing JAX itself (about 1.3 s
-    of CPU each). Where fork is unavailable or the zygote refuses to serve, workers start
-    afresh as before: slower, not different.
+    of CPU each). Where fork is unavailable, or the zygote refuses to serve or has failed,
+    workers start afresh as before: slower, not different.
     """
     with _zygote_lock:
         if "zygote" not in _zygote_state:
-            from jax_impl.zygote import Zygote, ZygoteError
+            from jax_impl.zygote import Zygote
 
             zygote = None
             if hasattr(os, "fork"):
                 log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{os.getpid()}.log"
                 try:
                     zygote = Zygote(ZYGOTE_PRELOAD, _worker_env(), log)
-                except (ZygoteError, OSError):
+                except Exception:  # any failure to start means: no zygote, plain processes
                     zygote = None
                 else:
                     atexit.register(zygote.close)
             _zygote_state["zygote"] = zygote
-        return _zygote_state["zygote"]
+        zygote = _zygote_state["zygote"]
+        return zygote if zygote is not None and zygote.alive else None
 
 
 def _worker_env() -> dict[str, str]:
