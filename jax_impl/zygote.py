@@ -167,7 +167,7 @@ class Zygote:
                 self._process.stdin.write(json.dumps(request).encode() + b"\n")
                 self._process.stdin.flush()
                 reply = self._read_reply()
-            except (OSError, ZygoteError) as error:
+            except (OSError, ValueError, ZygoteError) as error:
                 # A reply that never came may still come later and be taken for the next
                 # request's: a zygote that lost step is stopped, not reused.
                 self._process.kill()
@@ -194,9 +194,7 @@ class Zygote:
             if readable:
                 chunk = os.read(fd, 65536)
                 if not chunk:
-                    raise ZygoteError(
-                        f"the zygote exited (status {self._process.wait()}); see {self._log_path}"
-                    )
+                    raise ZygoteError(f"the zygote closed its output; see {self._log_path}")
                 self._reply_buffer += chunk
         line, self._reply_buffer = self._reply_buffer.split(b"\n", 1)
         return json.loads(line)
