@@ -18,8 +18,10 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from jax_impl.zygote import Zygote, ZygoteError
+if TYPE_CHECKING:  # not at run time: this module must load without the jax_impl package
+    from jax_impl.zygote import Zygote
 
 POLL_INTERVAL_S = 0.05
 #: XLA flags for worker processes that compile many tiny programs, where compiling is most of
@@ -112,7 +114,7 @@ def run_workers(
                         )
                     )
                     continue
-                except ZygoteError:
+                except zygote.Error:
                     pass  # a zygote that failed is a slower start, not a failed worker
             with out_path.open("wb") as out, err_path.open("wb") as err:
                 processes.append(

@@ -106,6 +106,10 @@ def _pid_alive(pid: int) -> bool:
 class Zygote:
     """The client side: start the zygote, ask it for workers, stop it. Thread-safe."""
 
+    #: What `spawn` raises, reachable from an instance by code that must not import this
+    #: module (`jax_impl.launch` loads without the jax_impl package, which imports JAX).
+    Error = ZygoteError
+
     def __init__(
         self, preload: Sequence[str], env: Mapping[str, str], log_path: str | Path
     ) -> None:
