@@ -1,9 +1,10 @@
 """The JAX zygote: workers forked from one process that imported JAX, launched like any other.
 
 The harness forks every JAX worker from `jax_impl.zygote` instead of starting a fresh Python
-(`crosscheck.runners.jax_runner.worker_zygote`). A forked worker must behave exactly like
-``python -m MODULE``: its own XLA_FLAGS (the fake device count is read after the fork), argv,
-environment, working directory and output files, its exit status, and a bounded wait.
+(`crosscheck.runners.jax_runner.worker_zygote`). A forked worker must behave like
+``python -m MODULE`` in everything a worker relies on: its own XLA_FLAGS (the fake device count
+is read after the fork), argv, environment, working directory and output files, its exit
+status, and a bounded wait (the differences are listed in `jax_impl.zygote`).
 """
 
 import json

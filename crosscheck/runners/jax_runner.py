@@ -222,11 +222,11 @@ def _run_multiprocess(
 
 
 def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Job]:
-    """The work for `cases`: one worker process per in-process front-end and dtype, one launch
-    per world size and dtype for the multi-process front-end. Each reports its cases through
-    `on_done`. A process of its own per front-end costs a JAX import (about 1.5 s) but lets
-    the front-ends compile side by side: one worker for all three would be the run's longest
-    job by far."""
+    """The work for `cases`: one worker process per in-process front-end, world size and
+    dtype, one launch per world size and dtype for the multi-process front-end. Each reports
+    its cases through `on_done`. Workers fork from the zygote, so a process of its own costs
+    little, and small jobs let the scheduler keep both cores busy to the end: one worker for
+    all three front-ends would be the run's longest job by far."""
     in_process: dict[tuple[str, int, str], list[Case]] = {}
     multiprocess: dict[tuple[int, str], list[Case]] = {}
     for case in cases:
