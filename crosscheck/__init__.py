@@ -21,6 +21,7 @@ from crosscheck.fixtures import Fixture, FixtureError
 from crosscheck.layout import IGNORE_INDEX, LaidOutBatch, Layout, Microbatch
 from crosscheck.optimizers import AdamWConfig, SGDConfig, clip_by_global_norm, train
 from crosscheck.oracle import OracleResult, loss_and_grad
+from crosscheck.protocol import log_denominator
 from crosscheck.schemes import (
     ACCIDENTAL_SCHEMES,
     INTENDED_SCHEMES,
@@ -29,6 +30,10 @@ from crosscheck.schemes import (
     effective_weights,
     get_scheme,
 )
+
+# `verify` itself stays crosscheck.verify.verify: binding the function here would shadow the
+# crosscheck.verify module for `import crosscheck.verify as ...` and for mock.patch paths.
+from crosscheck.verify import VerifyReport, assert_weighting
 
 __all__ = [
     "ACCIDENTAL_SCHEMES",
@@ -48,12 +53,15 @@ __all__ = [
     "OracleResult",
     "SGDConfig",
     "Scheme",
+    "VerifyReport",
     "assert_tree_close",
+    "assert_weighting",
     "builtin_fixture",
     "clip_by_global_norm",
     "diagnose",
     "effective_weights",
     "get_scheme",
+    "log_denominator",
     "loss_and_grad",
     "random_fixture",
     "train",

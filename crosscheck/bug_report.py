@@ -9,8 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from crosscheck.bugs import SKEW, SKEW_FIXTURE, SKEW_LAYOUT, CatalogueRun
-from crosscheck.compare import RTOL_BY_DTYPE
+from crosscheck.bugs import SKEW, SKEW_FIXTURE, SKEW_FLAGGED_AT, SKEW_LAYOUT, CatalogueRun
 
 
 def _num(value: float, spec: str) -> str:
@@ -54,19 +53,21 @@ def catalogue_table(run: CatalogueRun) -> Table:
 def skew_lines(run: CatalogueRun) -> list[str]:
     R, M = SKEW_LAYOUT
     lines = [
-        f"minimum detectable per-rank skew on {SKEW_FIXTURE} (R={R}, M={M}), rank 0's token "
-        "weights scaled: "
+        f"minimum detectable per-rank skew on {SKEW_FIXTURE} (R={R}, M={M}), measured from each "
+        "correct step's own noise: "
         + ", ".join(
-            f"{dtype} 1 + {value - 1:.2e} (tolerance {RTOL_BY_DTYPE[dtype]:.0e})"
-            for dtype, value in run.minimum_skew.items()
+            f"{fw} {dtype} 1 + {_num(value, '.2e')}"
+            for (fw, dtype), value in sorted(run.minimum_skew.items())
         )
     ]
     for s in run.skews:
-        mark = "flagged" if s.flagged else "passes"
+        mark = f"flagged as {s.diagnosed_as}" if s.flagged else "passes"
+        if s.error:
+            mark = f"did not run: {s.error.splitlines()[0][:120]}"
         lines.append(
             f"  {s.run.framework} {s.run.dtype} skew 1 + {s.run.skew - 1:.2e}: relative error "
-            f"{_num(s.rel_err, '.2e')} -> {mark}"
-            + ("" if s.flagged == s.expected else "  [red]UNEXPECTED[/]")
+            f"{_num(s.rel_err, '.2e')} at {s.precision} -> {mark}"
+            + ("" if s.ok else "  [red]UNEXPECTED[/]")
         )
     return lines
 
@@ -76,10 +77,14 @@ def print_catalogue(console: Console, run: CatalogueRun) -> None:
     for line in skew_lines(run):
         console.print(line)
     named = sum(r.ok for r in run.results)
+    must = [s for s in run.skews if s.run.skew == SKEW and s.run.dtype in SKEW_FLAGGED_AT]
+    flagged = bool(must) and all(s.flagged for s in must)
+    bf16 = [v for (_, dtype), v in run.minimum_skew.items() if dtype == "bfloat16"]
+    bf16_text = f"; bf16 detects from 1 + {_num(max(bf16), '.1e')}" if bf16 else ""
     console.print(
         f"{named} of {len(run.results)} buggy steps detected and named; a {SKEW}x skew "
-        + ("is" if all(s.flagged for s in run.skews if s.run.skew == SKEW) else "is NOT")
-        + " flagged in every framework and dtype: "
+        + ("is" if flagged else "is NOT")
+        + f" flagged in every framework at {' and '.join(SKEW_FLAGGED_AT)}{bf16_text}: "
         + ("[green]OK[/]" if run.ok else "[red]FAIL[/]")
     )
 

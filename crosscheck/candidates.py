@@ -13,6 +13,7 @@ missing-world-size   :math:`w^I / R`, logs D
 double-reduce-count  :math:`w^I / R`, logs R D (same gradient: only the log tells them apart)
 double-world-size    :math:`R\, w^I`
 double-accum-scale   :math:`M\, w^I`
+double-accum-divide  :math:`w^I / M`
 unshifted-count      :math:`w^I D / (D + n_{rows})`, rows with a valid target (token mean)
 attention-mask-count :math:`w^I D / A`, A attended positions (token mean)
 padding-as-tokens    :math:`w^I D / (N T)` (token mean)
@@ -29,6 +30,7 @@ step does are in `crosscheck.patterns`; this module is the numpy side of that co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,10 +55,14 @@ class Candidate:
     """A named prediction: effective weights [N, T] and the denominator the step logs."""
 
     name: str
-    kind: str  # "intended", "pattern" or "scheme"
+    kind: str  # "intended", "pattern", "scheme" or "family"
     weights: np.ndarray
     logged_denominator: float | None = None
     note: str = ""
+    #: At this layout the candidate is another one by construction (rank-mean at R = 1 is the
+    #: intended scheme, microbatch-mean at M = 1 is rank-mean): it never names a case, but it
+    #: counts when a run asks which name fits every case (``crosscheck.naming``).
+    degenerate: bool = False
 
 
 #: The oracle gradient of given [N, T] effective weights (diagnosis passes a fast one).
@@ -97,15 +103,17 @@ def local_mean_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candida
     R, M = d.shape
     a = _local_weights(intended, batch)
     per_rank = d.sum(axis=1)
-    out = []
-    if R > 1:
-        w = _divide(a, per_rank[:, None, None, None]) / R
-        out.append(Candidate("rank-mean", "pattern", batch.to_global(w), float(per_rank[0])))
-    if M > 1:
-        # At M = 1 a microbatch is a rank: microbatch-mean is rank-mean itself.
-        w = _divide(a, d[:, :, None, None]) / (R * M)
-        out.append(Candidate("microbatch-mean", "pattern", batch.to_global(w), float(d[0, -1])))
-    return out
+    # At R = 1 rank-mean is the intended scheme; at M = 1 a microbatch is a rank and
+    # microbatch-mean is rank-mean itself: degenerate there.
+    w = _divide(a, per_rank[:, None, None, None]) / R
+    rank_mean = Candidate(
+        "rank-mean", "pattern", batch.to_global(w), float(per_rank[0]), degenerate=R == 1
+    )
+    w = _divide(a, d[:, :, None, None]) / (R * M)
+    microbatch_mean = Candidate(
+        "microbatch-mean", "pattern", batch.to_global(w), float(d[0, -1]), degenerate=M == 1
+    )
+    return [rank_mean, microbatch_mean]
 
 
 def scale_candidates(
@@ -118,15 +126,14 @@ def scale_candidates(
     """Patterns that weigh every token as intended but scale the gradient."""
     R, M = batch.layout.world_size, batch.layout.accum_steps
     D = intended.global_denominator(batch)
-    out = []
-    if R > 1:
-        out += [
-            Candidate("missing-world-size", "pattern", weights / R, D),
-            Candidate("double-reduce-count", "pattern", weights / R, R * D),
-            Candidate("double-world-size", "pattern", weights * R, D),
-        ]
-    if M > 1:
-        out.append(Candidate("double-accum-scale", "pattern", weights * M, D))
+    # A factor R (or M) of 1 is the intended gradient: degenerate at R = 1 (M = 1).
+    out = [
+        Candidate("missing-world-size", "pattern", weights / R, D, degenerate=R == 1),
+        Candidate("double-reduce-count", "pattern", weights / R, R * D, degenerate=R == 1),
+        Candidate("double-world-size", "pattern", weights * R, D, degenerate=R == 1),
+        Candidate("double-accum-scale", "pattern", weights * M, D, degenerate=M == 1),
+        Candidate("double-accum-divide", "pattern", weights / M, D, degenerate=M == 1),
+    ]
     if previous_denominators and D > 0:
         stale = D + sum(previous_denominators)
         out.append(Candidate("stale-count", "pattern", weights * (D / stale), stale))
@@ -196,7 +203,12 @@ def float32_count_candidate(
     if D <= FLOAT32_EXACT_LIMIT:
         return []
     implied = float(np.float32(D / scale))
-    if implied == D or abs(implied - D) > FLOAT32_COUNT_MAX_REL * D:
+    # A float32 running sum of n terms rounds each partial sum once: it drifts from D by about
+    # sqrt(n) roundings of half a float32 ulp of D. Farther than sqrt(n) ulps is a wrong count,
+    # not a float32 one (it would otherwise name any scale within 2^-12 of 1).
+    summands = max(int(np.count_nonzero(weights)), 1)
+    window = math.sqrt(summands) * float(np.spacing(np.float32(D)))
+    if implied == D or abs(implied - D) > min(window, FLOAT32_COUNT_MAX_REL * D):
         return []
     note = f"the denominator was {implied:.0f} instead of D = {D:.0f}"
     return [Candidate("float32-count", "pattern", weights * (D / implied), implied, note)]
@@ -206,21 +218,28 @@ def scheme_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
     """Every other scheme under its own name (a gradient of the wrong scheme altogether).
 
     The accidental schemes are left out where the rank-mean and microbatch-mean patterns of
-    the intended scheme already are them (token mean), and microbatch_mean where a rank is
-    one microbatch (it is rank_mean there).
+    the intended scheme already are them (token mean); rank_mean at R = 1 is token_mean and
+    microbatch_mean at M = 1 is rank_mean, so they are degenerate there.
     """
     skip = {intended.name}
     if isinstance(intended, TokenMean):
         skip |= {"rank_mean", "microbatch_mean"}
-    if batch.layout.accum_steps == 1:
-        skip.add("microbatch_mean")
+    R, M = batch.layout.world_size, batch.layout.accum_steps
+    degenerate = {"rank_mean": R == 1, "microbatch_mean": M == 1}
     return [
-        Candidate(name, "scheme", batch.to_global(scheme.effective_weights(batch)))
+        Candidate(
+            name,
+            "scheme",
+            batch.to_global(scheme.effective_weights(batch)),
+            degenerate=degenerate.get(name, False),
+        )
         for name, scheme in SCHEMES.items()
         if name not in skip
     ]
 
 
 def known_names() -> tuple[str, ...]:
-    """Every name a diagnosis can give: schemes and BUGS.md patterns."""
-    return (*SCHEMES, *PATTERNS)
+    """Every name a diagnosis can give: schemes, docs/bugs.md patterns and the reweighting
+    families of `crosscheck.families` (listed here, not imported: families build on this
+    module)."""
+    return (*SCHEMES, *PATTERNS, "scale", "rank-skew", "microbatch-skew")

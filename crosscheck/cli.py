@@ -17,24 +17,27 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from crosscheck.cases import STRATEGIES, Case
 from crosscheck.catalogue import builtin_fixture
 from crosscheck.fixtures import Fixture
-from crosscheck.matrix import Plan, run_matrix
+from crosscheck.matrix import run_matrix
 from crosscheck.oracle import loss_and_grad
+from crosscheck.plan import Plan
 from crosscheck.plot import plot_effective_weights
 from crosscheck.report import (
     print_results,
+    run_ok,
+    skipped_table,
     summary_line,
     timings_table,
     write_json,
     write_update_log,
 )
 from crosscheck.runners import IMPLEMENTATIONS
-from crosscheck.schemes import get_scheme
 
 
 def _int_list(text: str) -> list[int]:
@@ -63,15 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="run every implementation on the built-in fixtures and compare with the oracle",
     )
+    # No defaults here: a list the user names is explicit (every value of it must run in
+    # some case, or the run is refused); a list left out takes the Plan's default, whose
+    # product with the others may skip combinations (listed, with their reasons).
     run.add_argument("--fixture", type=_name_list, help="fixture names, comma-separated")
     run.add_argument("--schemes", type=_name_list, help="scheme names, comma-separated")
     run.add_argument(
         "--impls", type=_name_list, help=f"oracle, {', '.join(IMPLEMENTATIONS)} (default: all)"
     )
-    run.add_argument("--world-sizes", type=_int_list, default=[1, 2, 4])
-    run.add_argument("--accum", type=_int_list, default=[1, 2])
-    run.add_argument("--strategies", type=_name_list, default=list(STRATEGIES))
-    run.add_argument("--dtypes", type=_name_list, default=["float64"])
+    run.add_argument("--world-sizes", type=_int_list, help="default: 1,2,4")
+    run.add_argument("--accum", type=_int_list, help="accumulation steps; default: 1,2")
+    run.add_argument("--strategies", type=_name_list, help=f"default: {','.join(STRATEGIES)}")
+    run.add_argument("--dtypes", type=_name_list, help="default: float64")
     run.add_argument(
         "--no-world-size-change",
         action="store_true",
@@ -103,12 +109,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--framework", choices=("torch", "jax"), required=True)
     verify.add_argument("--step", required=True, help="MODULE:FUNCTION, importable from here")
-    verify.add_argument("--scheme", required=True, help="the scheme the step is meant to compute")
+    verify.add_argument(
+        "--scheme",
+        required=True,
+        help="the scheme the step is meant to compute (constant:C for a fixed normalizer C)",
+    )
     verify.add_argument("--fixtures", type=_name_list, help="default: packed,ragged")
     verify.add_argument("--world-sizes", type=_int_list, help="default layouts: see README")
     verify.add_argument("--accum", type=_int_list)
     verify.add_argument(
         "--timeout", type=float, default=120.0, help="seconds before a step counts as hung"
+    )
+    verify.add_argument(
+        "--precision",
+        choices=("auto", "float64", "float32", "bfloat16"),
+        default="auto",
+        help="judge at this precision (default: the finest the step's own noise allows)",
+    )
+    verify.add_argument(
+        "--strict",
+        action="store_true",
+        help="the float64 judgement (relative error 1e-12), same as --precision float64",
+    )
+    verify.add_argument(
+        "--dtype",
+        choices=("float64", "float32", "bfloat16"),
+        default="float64",
+        help="dtype of the model / params handed to the step",
     )
     verify.add_argument("--json", type=Path, help="write the report as JSON here")
     return parser
@@ -138,21 +165,30 @@ def seed_weights_table() -> Table:
     return table
 
 
+#: `crosscheck run` option -> the Plan list it sets.
+RUN_LISTS: dict[str, str] = {
+    "fixture": "fixtures",
+    "schemes": "schemes",
+    "impls": "impls",
+    "world_sizes": "world_sizes",
+    "accum": "accum_steps",
+    "strategies": "strategies",
+    "dtypes": "dtypes",
+}
+
+
 def _plan(args: argparse.Namespace) -> Plan:
+    """The plan of `crosscheck run`: the options given are its explicit lists."""
+    given = {field: getattr(args, option) for option, field in RUN_LISTS.items()}
+    given = {field: value for field, value in given.items() if value is not None}
     plan = Plan(
-        world_sizes=args.world_sizes,
-        accum_steps=args.accum,
-        strategies=args.strategies,
-        dtypes=args.dtypes,
         world_size_change=not args.no_world_size_change,
         resume=not args.no_resume,
+        explicit=frozenset(given),
+        **given,
     )
-    if args.fixture:
-        plan.fixtures = plan.resume_fixtures = args.fixture
-    if args.schemes:
-        plan.schemes = [get_scheme(name).name for name in args.schemes]
-    if args.impls:
-        plan.impls = args.impls
+    if "fixtures" in given:
+        plan.resume_fixtures = plan.fixtures
     plan.validate()
     return plan
 
@@ -161,8 +197,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     started = time.perf_counter()
     try:
         plan = _plan(args)
+        # Refuses, before any process starts, a plan that runs nothing or names a value that
+        # runs in no case; the build is repeated by run_matrix (a few ms).
+        plan.build()
     except ValueError as error:
-        console.print(f"[red]crosscheck run: {error}[/]")
+        # One line, whatever the terminal's width: soft_wrap leaves the wrapping to it.
+        console.print(f"[red]crosscheck run: {escape(str(error))}[/]", soft_wrap=True)
         return 2
     if "seed" in plan.fixtures:
         console.print(seed_weights_table())
@@ -182,12 +222,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
         result = run_matrix(plan, on_progress)
     print_results(console, result.rows, per_case=args.rows == "case")
+    if result.skipped:
+        console.print(skipped_table(result.skipped))
     if args.timings:
         console.print(timings_table(result.timings))
     wall = time.perf_counter() - started
-    console.print(summary_line(result.rows, wall))
+    console.print(summary_line(result.rows, wall, result.skipped), soft_wrap=True)
     if args.json is not None:
-        write_json(args.json, result.rows, wall, {"plan": _plan_record(plan)})
+        write_json(
+            args.json, result.rows, wall, {"plan": _plan_record(plan)}, skipped=result.skipped
+        )
     if args.log is not None:
         count = write_update_log(args.log, result.metrics())
         console.print(f"wrote {count} per-update records to {args.log}")
@@ -196,7 +240,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         R, M = _plot_layout(fixture)
         plot_effective_weights(fixture, args.plot, R, M)
         console.print(f"wrote {args.plot} ({fixture.name}, R={R}, M={M})")
-    return 0 if all(row.ok for row in result.rows) else 1
+    return 0 if run_ok(result.rows) else 1
 
 
 def _plan_record(plan: Plan) -> dict:
@@ -208,6 +252,10 @@ def _plan_record(plan: Plan) -> dict:
         "accum_steps": plan.accum_steps,
         "strategies": plan.strategies,
         "dtypes": plan.dtypes,
+        "world_size_change": plan.world_size_change,
+        "resume": plan.resume,
+        # The lists named on the command line: their values must each run in some case.
+        "explicit": sorted(plan.explicit),
     }
 
 
@@ -222,8 +270,13 @@ def _plot_layout(fixture: Fixture) -> tuple[int, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 140)
-    # A 0/0 anywhere in the reference is a bug: raise rather than carry a silent NaN.
-    np.seterr(divide="raise", invalid="raise")
+    # A 0/0 anywhere in the reference is a bug: raise rather than carry a silent NaN. Scoped
+    # to the command, so that calling main() from Python leaves the caller's state alone.
+    with np.errstate(divide="raise", invalid="raise"):
+        return _dispatch(args, console)
+
+
+def _dispatch(args: argparse.Namespace, console: Console) -> int:
     if args.command == "run":
         return run(args, console)
     if args.command == "bugs":

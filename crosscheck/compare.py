@@ -1,4 +1,4 @@
-"""Comparing parameter trees: the relative error of DESIGN.md and the tolerances per dtype.
+"""Comparing parameter trees: the relative error of docs/contract.md and the tolerances per dtype.
 
 The error of a leaf is max |a - b| / max(max |b|, tiny); a tree's error is its worst leaf's.
 NaN or inf anywhere in `a` makes the error inf, so NaN never passes.
@@ -55,7 +55,8 @@ def leaf_rel_err(actual: np.ndarray, expected: np.ndarray) -> tuple[float, tuple
         raise ValueError(f"shape mismatch: got {a.shape}, expected {b.shape}")
     if a.size == 0:
         return 0.0, ()
-    diff = np.abs(a - b)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: judged below, not raised
+        diff = np.abs(a - b)
     if not np.isfinite(diff).all():
         worst = np.unravel_index(int(np.argmin(np.isfinite(diff))), a.shape)
         return float("inf"), tuple(int(i) for i in worst)
@@ -70,11 +71,20 @@ def tree_rel_err(actual: Mapping[str, np.ndarray], expected: Mapping[str, np.nda
         raise ValueError(
             f"parameter names differ: got {sorted(actual)}, expected {sorted(expected)}"
         )
+    if not expected:
+        raise ValueError(
+            "no parameters to compare: an empty tree would pass having checked nothing"
+        )
     worst = TreeError(0.0, "", (), 0.0, 0.0)
     for key in sorted(expected):
-        err, index = leaf_rel_err(actual[key], expected[key])
+        try:
+            err, index = leaf_rel_err(actual[key], expected[key])
+        except ValueError as error:
+            raise ValueError(f"{key}: {error}") from None
+        a = np.asarray(actual[key], dtype=np.float64)
+        if a.size == 0:  # nothing to be wrong about; the other leaves decide
+            continue
         if err > worst.max_rel_err or not worst.leaf:
-            a = np.asarray(actual[key], dtype=np.float64)
             b = np.asarray(expected[key], dtype=np.float64)
             worst = TreeError(err, key, index, float(a[index]), float(b[index]))
     return worst
@@ -88,7 +98,8 @@ def assert_tree_close(
 ) -> float:
     """Raise AssertionError naming the worst leaf unless the trees agree within `rtol`."""
     worst = tree_rel_err(actual, expected)
-    if not worst.max_rel_err <= rtol:
+    # NaN or inf never passes, whatever the tolerance (inf <= inf would).
+    if not (math.isfinite(worst.max_rel_err) and worst.max_rel_err <= rtol):
         raise AssertionError(f"{what}: {worst.describe()} exceeds {rtol:.0e}")
     return worst.max_rel_err
 

@@ -1,24 +1,24 @@
 r"""Diagnosis: the effective weighting of any gradient, and the name of what produced it.
 
 Given a gradient G that some code produced on a fixture laid out as (R, M), and the scheme the
-user intended, the diagnosis
+user intended (a `crosscheck.schemes.Scheme` object, with its parameters, or a name), the
+diagnosis
 
-1. **recovers the weights.** Valid tokens fall into groups, one per (rank, microbatch, row,
-   segment). Each group has a basis gradient :math:`b_g = \sum_{t \in g} u_t \nabla l_t`
-   (:math:`u_t` = the soft weight for ``weighted_mean``, else 1), and least squares solves
-   :math:`G \approx \sum_g c_g b_g`. Token t of group g then weighs :math:`c_g u_t`; the
-   weight ratio is the largest over the smallest of those among tokens that carry weight.
-   The columns are normalized and the system's condition number is reported: the fixtures
-   give full column rank (960 parameters, at most a few hundred groups, no two groups with
-   the same tokens), and above `CONDITION_LIMIT` the recovered weights are declared unreliable.
-2. **names it.** Every candidate of `crosscheck.candidates` (the intended scheme, each bug
-   pattern of shared/BUGS.md that can occur at this layout, every other scheme) predicts a
-   gradient; a candidate matches when G is within the dtype's tolerance of its prediction
-   (the same test verification applies to the intended scheme). The intended scheme wins
-   outright; among the rest, a logged denominator, when given, rules out candidates that
-   would have logged another; bug patterns come before plain schemes (they explain more).
-   If candidates of different names still match, the diagnosis refuses to choose and says
-   which; if none matches, it says so and still reports the recovered weights.
+1. **recovers the weights and measures the numerics** (``crosscheck.verdict``): least squares
+   of G on the per-group token gradients gives each group's weight, and the residual says at
+   which precision the step computes (float64-exact, float32-level, bf16-level). The weight
+   ratio is the largest over the smallest ratio of a token's recovered weight to the intended
+   scheme's (1 for a correct step, whatever the scheme). Above `CONDITION_LIMIT` the group
+   weights are declared not identifiable.
+2. **judges at that precision**: every candidate of `crosscheck.candidates` (the intended
+   scheme, each bug pattern of the catalogue, every other scheme) and every reweighting family
+   of `crosscheck.families` predicts a gradient, and fits when G passes the precision-aware
+   test against it: worst-leaf error within the level's tolerance and every rank's,
+   microbatch's and group's weight within that tolerance plus the measured noise. The step is
+   correct when the intended scheme fits.
+3. **names it** (``crosscheck.naming``): a logged denominator, when given, rules out patterns
+   that would have logged another; of what is left, the minimal explanation is named, or
+   several are (ambiguous), or none (unknown).
 
 The scale is the least-squares factor of G on the intended gradient,
 :math:`\langle G, g_I \rangle / \langle g_I, g_I \rangle`.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -41,11 +41,23 @@ from crosscheck.candidates import (
     scale_candidates,
     scheme_candidates,
 )
-from crosscheck.compare import RTOL_BY_DTYPE, finite_or_none, tree_rel_err
+from crosscheck.compare import finite_or_none, tree_rel_err
 from crosscheck.explain import explain
+from crosscheck.families import family_candidates
 from crosscheck.fixtures import Fixture
+from crosscheck.judgement import judge_levels, noise_level, per_group_weights
+from crosscheck.naming import AMBIGUOUS, UNKNOWN, minimal, name_of
 from crosscheck.oracle import Params, token_jacobian
-from crosscheck.schemes import WeightedMean, get_scheme
+from crosscheck.schemes import Scheme, WeightedMean, get_scheme
+from crosscheck.verdict import (
+    PRECISIONS,
+    WeightCheck,
+    auto_levels,
+    check_weights,
+    detectable_skew,
+    fit_groups,
+    tolerance,
+)
 
 #: Above this condition number of the normalized group basis, two groups' weights can trade
 #: off against each other within float64 rounding of a 1e-12-accurate gradient
@@ -53,8 +65,16 @@ from crosscheck.schemes import WeightedMean, get_scheme
 #: as reliable. The built-in fixtures stay below 10.
 CONDITION_LIMIT = 1e4
 
-UNKNOWN = "unknown"
-AMBIGUOUS = "ambiguous"
+__all__ = [
+    "AMBIGUOUS",
+    "CONDITION_LIMIT",
+    "UNKNOWN",
+    "Diagnosis",
+    "GroupWeight",
+    "diagnose",
+    "token_groups",
+    "with_explanation",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,46 +97,82 @@ class Diagnosis:
     fixture: str
     world_size: int
     accum_steps: int
-    intended: str
+    #: The intended scheme, with its parameters (Constant(C) keeps its C).
+    scheme: Scheme
+    #: The dtype of the params the step was given.
     dtype: str
+    #: The precision the verdict was given at: "float64", "float32" or "bfloat16".
+    precision: str
+    #: The measured noise placed the gradient at no allowed precision: nothing can fit.
+    beyond_precision: bool
     #: Worst-leaf relative error against the intended scheme's gradient.
     intended_error: float
-    #: Verification failed: intended_error above the dtype's tolerance (or not finite).
+    #: Verification failed: the intended scheme does not fit at `precision`.
     detected: bool
     #: A candidate's name, "unknown" (nothing fits) or "ambiguous" (see `matches`).
     best_match: str
-    #: Every candidate name that matched within tolerance (after logged-denominator filtering).
+    #: The minimal explanations that fit (several when ambiguous).
     matches: tuple[str, ...]
+    #: Every name that fits this case, those degenerate at this layout included: what a run
+    #: intersects over its cases to find the name that explains them all.
+    fits: tuple[str, ...]
     scale: float
+    #: Largest over smallest ratio of a token's recovered weight to the intended weight.
     weight_ratio: float
+    #: The intended scheme's own spread of per-token weights (largest over smallest).
     intended_weight_ratio: float
-    #: Relative residual of the group least-squares fit, |G - sum c_g b_g| / |G|.
+    #: Relative residual of the group least-squares fit, |G - sum c_g b_g| / |G|: the noise.
     residual: float
     condition_number: float
     well_posed: bool
+    #: ("rank" or "microbatch", s - 1): the smallest skew of one rank's (microbatch's)
+    #: weights this case would flag, given the measured noise; None at R = M = 1.
+    detectable_skew: tuple[str, float] | None
+    #: The worst unit of the weight test against the intended scheme, in words.
+    worst_unit: str
     explanation: str
+    #: What to change, in the user's terms ("" when the step is correct).
+    fix: str = ""
     groups: tuple[GroupWeight, ...] = ()
-    #: name -> smallest relative error of that name's predictions.
+    #: name -> smallest worst-leaf relative error of that name's predictions.
     candidate_errors: dict[str, float] = field(default_factory=dict)
+    #: name -> the candidate's own details (a family's factors, a clipping convention).
+    notes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def intended(self) -> str:
+        return self.scheme.name
+
+    @property
+    def tolerance(self) -> float:
+        return tolerance(self.precision)
 
     def to_json(self) -> dict[str, Any]:
+        skew = self.detectable_skew
         return {
             "fixture": self.fixture,
             "world_size": self.world_size,
             "accum_steps": self.accum_steps,
             "intended": self.intended,
+            "scheme": self.scheme.spec,
             "dtype": self.dtype,
+            "precision": self.precision,
+            "tolerance": self.tolerance,
             "intended_error": finite_or_none(self.intended_error),
             "detected": self.detected,
             "best_match": self.best_match,
             "matches": list(self.matches),
+            "fits": list(self.fits),
             "scale": finite_or_none(self.scale),
             "weight_ratio": finite_or_none(self.weight_ratio),
             "intended_weight_ratio": finite_or_none(self.intended_weight_ratio),
             "residual": finite_or_none(self.residual),
             "condition_number": finite_or_none(self.condition_number),
             "well_posed": self.well_posed,
+            "detectable_skew": None if skew is None else {"per": skew[0], "minus_one": skew[1]},
+            "worst_unit": self.worst_unit,
             "explanation": self.explanation,
+            "fix": self.fix,
             "candidate_errors": {k: finite_or_none(v) for k, v in self.candidate_errors.items()},
         }
 
@@ -143,34 +199,6 @@ def token_groups(fixture: Fixture, world_size: int, accum_steps: int, units: np.
     return group_of, described
 
 
-def recover_weights(
-    jacobian: np.ndarray, target: np.ndarray, group_of: np.ndarray, units: np.ndarray
-) -> tuple[np.ndarray, float, float]:
-    """Least-squares c_g of G = sum_g c_g b_g; returns (c, residual, condition number).
-
-    `jacobian` holds the valid tokens' gradients (rows), `group_of` and `units` are per valid
-    token. b_g = sum over the group of u_t times the token's row.
-    """
-    num_groups = int(group_of.max(initial=-1)) + 1
-    if num_groups == 0:
-        return np.zeros(0), float(np.linalg.norm(target) > 0), 1.0
-    if not np.isfinite(target).all():  # NaN or inf: no weights to recover, nothing fits
-        return np.full(num_groups, np.nan), math.inf, math.nan
-    carries = group_of >= 0
-    basis_rows = np.zeros((num_groups, jacobian.shape[1]))
-    np.add.at(basis_rows, group_of[carries], units[carries, None] * jacobian[carries])
-    basis = basis_rows.T
-    norms = np.linalg.norm(basis, axis=0)
-    norms = np.where(norms > 0, norms, 1.0)
-    scaled = basis / norms
-    singular = np.linalg.svd(scaled, compute_uv=False)
-    condition = float(singular[0] / singular[-1]) if singular[-1] > 0 else math.inf
-    solution, *_ = np.linalg.lstsq(scaled, target, rcond=None)
-    c = solution / norms
-    residual = float(np.linalg.norm(target - basis @ c) / max(np.linalg.norm(target), 1e-300))
-    return c, residual, condition
-
-
 def _ratio(values: np.ndarray) -> float:
     if values.size == 0:
         return 1.0
@@ -187,9 +215,10 @@ def diagnose(
     world_size: int,
     accum_steps: int,
     grads: Params,
-    intended: str,
+    intended: str | Scheme,
     *,
     dtype: str = "float64",
+    precision: str = "auto",
     logged_denominator: float | None = None,
     previous_denominators: Sequence[float] = (),
     max_grad_norm: float | None = None,
@@ -197,20 +226,27 @@ def diagnose(
 ) -> Diagnosis:
     """Diagnose `grads`, produced at layout (world_size, accum_steps) of `fixture`.
 
-    `logged_denominator` is what the step logged as D for this update (it separates patterns
-    with the same gradient, e.g. missing-world-size from double-reduce-count);
-    `previous_denominators` are the intended D of earlier windows since the counter was last
-    known to be reset (enables stale-count); `max_grad_norm` enables clip-per-microbatch.
-    `params` default to the fixture's own: the gradient must be taken there.
+    `dtype` is the dtype of the params the step was given; `precision` is "auto" (the finest
+    level the gradient's own noise allows: float64 or float32, and bfloat16 when `dtype` is)
+    or a level to judge at ("float64" is the strict judgement). `logged_denominator` is what
+    the step logged as D for this update (it separates patterns with the same gradient, e.g.
+    missing-world-size from double-reduce-count); `previous_denominators` are the intended D
+    of earlier windows since the counter was last known to be reset (enables stale-count);
+    `max_grad_norm` enables clip-per-microbatch. `params` default to the fixture's own: the
+    gradient must be taken there.
     """
     scheme = get_scheme(intended)
     if not scheme.intended:
         raise ValueError(f"intended must be an intended scheme, got accidental {scheme.name!r}")
-    if dtype not in RTOL_BY_DTYPE:
-        raise ValueError(f"dtype must be one of {', '.join(RTOL_BY_DTYPE)}, got {dtype!r}")
+    if precision == "auto":
+        allowed = auto_levels(dtype)
+    elif precision in PRECISIONS:
+        auto_levels(dtype)  # validates dtype
+        allowed = (precision,)
+    else:
+        raise ValueError(f"precision must be auto or one of {', '.join(PRECISIONS)}")
     params = fixture.params() if params is None else params
     grads = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
-    tolerance = RTOL_BY_DTYPE[dtype]
     batch = fixture.layout(world_size, accum_steps)
     weights = batch.to_global(scheme.effective_weights(batch))
     valid = fixture.valid
@@ -222,8 +258,11 @@ def diagnose(
     jacobian = token_jacobian(params, fixture.inputs, fixture.targets)
     shapes = {k: np.shape(params[k]) for k in sorted(params)}
 
+    def flat_grad_of(token_weights: np.ndarray) -> np.ndarray:
+        return token_weights[valid] @ jacobian
+
     def grad_of(token_weights: np.ndarray) -> Params:
-        flat, out, start = token_weights[valid] @ jacobian, {}, 0
+        flat, out, start = flat_grad_of(token_weights), {}, 0
         for key, shape in shapes.items():
             size = int(np.prod(shape))
             out[key] = flat[start : start + size].reshape(shape)
@@ -233,15 +272,21 @@ def diagnose(
     intended_grads = grad_of(weights)
     intended_error = tree_rel_err(grads, intended_grads).max_rel_err
     g, gi = _flat(grads), _flat(intended_grads)
-    scale = float(g @ gi / (gi @ gi)) if gi @ gi > 0 else math.nan
+    scale = float(g @ gi / (gi @ gi)) if gi @ gi > 0 and np.isfinite(g).all() else math.nan
 
     group_of, keys = token_groups(fixture, world_size, accum_steps, units)
-    c, residual, condition = recover_weights(jacobian, g, group_of[valid], units[valid])
-    carries = group_of >= 0
-    recovered = c[group_of[carries]] * units[carries] if c.size else np.zeros(0)
-    intended_c = np.zeros(len(keys))
-    if keys:
-        intended_c[group_of[carries]] = weights[carries] / units[carries]
+    fit = fit_groups(
+        jacobian,
+        g,
+        group_of[valid],
+        units[valid],
+        np.array([k[0] for k in keys], dtype=np.int64),
+        np.array([k[1] for k in keys], dtype=np.int64),
+    )
+    labels = [f"row {row} segment {segment}" for _, _, row, segment in keys]
+    intended_c = per_group_weights(weights, group_of, units)
+    if intended_c is None:  # a_t / u_t is constant per group by construction of the groups
+        raise AssertionError(f"{scheme.name}: intended weights vary inside a group")
 
     candidates = [Candidate(scheme.name, "intended", weights, scheme.global_denominator(batch))]
     candidates += local_mean_candidates(scheme, batch)
@@ -250,16 +295,27 @@ def diagnose(
         candidates += clip_candidates(grad_of, batch, weights, max_grad_norm)
     candidates += float32_count_candidate(scheme, batch, weights, scale)
     candidates += scheme_candidates(scheme, batch)
+    candidates += family_candidates(g, weights, batch, flat_grad_of)
 
+    per_group = [per_group_weights(c.weights, group_of, units) for c in candidates]
+    errors_by_candidate = [tree_rel_err(grads, grad_of(c.weights)).max_rel_err for c in candidates]
+    level = noise_level(fit, g, candidates, per_group, flat_grad_of, allowed)
+    judged_at, judged, log_note = judge_levels(
+        fit, candidates, per_group, errors_by_candidate, level, allowed, labels, logged_denominator
+    )
+
+    intended_check = check_weights(fit, intended_c, judged_at, labels)
+    fitting = [j.candidate for j in judged if j.fits]
+    explanations = minimal((c.name for c in fitting if not c.degenerate), scheme.name)
+    best = name_of(explanations)
     errors: dict[str, float] = {}
-    matched: list[Candidate] = []
-    for candidate in candidates:
-        err = tree_rel_err(grads, grad_of(candidate.weights)).max_rel_err
-        errors[candidate.name] = min(err, errors.get(candidate.name, math.inf))
-        if err <= tolerance:
-            matched.append(candidate)
-    best, names = _choose(matched, logged_denominator)
+    for j in judged:
+        errors[j.candidate.name] = min(j.error, errors.get(j.candidate.name, math.inf))
 
+    carries = group_of >= 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        relative = np.where(intended_c != 0, fit.weights / intended_c, np.nan)
+    relative = relative[intended_c != 0] if relative.size else relative
     groups = tuple(
         GroupWeight(
             rank=rank,
@@ -267,57 +323,52 @@ def diagnose(
             row=row,
             segment=segment,
             tokens=int(np.count_nonzero(group_of == index)),
-            weight=float(c[index]),
+            weight=float(fit.weights[index]),
             intended=float(intended_c[index]),
         )
         for index, (rank, microbatch, row, segment) in enumerate(keys)
     )
+    notes = {c.name: c.note for c in fitting if c.note}
+    if log_note:
+        notes["logged denominator"] = log_note
     diagnosis = Diagnosis(
         fixture=fixture.name,
         world_size=world_size,
         accum_steps=accum_steps,
-        intended=scheme.name,
+        scheme=scheme,
         dtype=dtype,
+        precision=judged_at,
+        beyond_precision=level is None,
         intended_error=intended_error,
-        detected=not intended_error <= tolerance,
+        detected=scheme.name not in {c.name for c in fitting if c.kind == "intended"},
         best_match=best,
-        matches=names,
+        matches=tuple(explanations),
+        fits=tuple(dict.fromkeys(c.name for c in fitting)),
         scale=scale,
-        weight_ratio=_ratio(recovered),
+        weight_ratio=_ratio(relative),
         intended_weight_ratio=_ratio(weights[carries]),
-        residual=residual,
-        condition_number=condition,
-        well_posed=bool(condition <= CONDITION_LIMIT),
+        residual=fit.residual,
+        condition_number=fit.condition,
+        well_posed=bool(fit.condition <= CONDITION_LIMIT),
+        # The coarsest level the verdict could have moved to is what it guarantees: under
+        # "auto" a float64 step's 2e-12 skew would agree at float32-level.
+        detectable_skew=detectable_skew(fit, intended_c, allowed[-1], labels),
+        worst_unit=_worst_unit_text(intended_check),
         explanation="",
         groups=groups,
         candidate_errors=errors,
+        notes=notes,
     )
-    note = next((m.note for m in matched if m.name == best and m.note), "")
-    return _with_explanation(diagnosis, note)
+    return with_explanation(diagnosis)
 
 
-def _choose(matched: list[Candidate], logged: float | None) -> tuple[str, tuple[str, ...]]:
-    """The best match's name and every name left in the running (see the module docstring)."""
-    if any(m.kind == "intended" for m in matched):
-        return matched[0].name, tuple(dict.fromkeys(m.name for m in matched))
-    if logged is not None:
-        agree = [
-            m
-            for m in matched
-            if m.logged_denominator is None
-            or math.isclose(m.logged_denominator, logged, rel_tol=1e-9)
-        ]
-        matched = agree or matched
-    patterns = [m for m in matched if m.kind == "pattern"]
-    names = tuple(dict.fromkeys(m.name for m in (patterns or matched)))
-    if not names:
-        return UNKNOWN, ()
-    if len(names) > 1:
-        return AMBIGUOUS, names
-    return names[0], names
+def _worst_unit_text(check: WeightCheck) -> str:
+    if not math.isfinite(check.ratio):
+        return "not finite"
+    return f"{check.unit}: {check.deviation:+.2e} (bound {check.bound:.2e})"
 
 
-def _with_explanation(diagnosis: Diagnosis, note: str) -> Diagnosis:
-    from dataclasses import replace
-
-    return replace(diagnosis, explanation=explain(diagnosis, note))
+def with_explanation(diagnosis: Diagnosis) -> Diagnosis:
+    """The diagnosis with its explanation and fix filled in (see `crosscheck.explain`)."""
+    text, fix = explain(diagnosis)
+    return replace(diagnosis, explanation=text, fix=fix)

@@ -33,7 +33,7 @@ def _first_position(mask: np.ndarray) -> tuple[int, int]:
 
 @dataclass(frozen=True, eq=False)
 class Fixture:
-    """A global batch [N, T] and float64 params of the bilinear model (see DESIGN.md)."""
+    """A global batch [N, T] and float64 params of the bilinear model (see docs/contract.md)."""
 
     name: str
     description: str

@@ -36,13 +36,53 @@ gradient).
 
 Either way, a step that raises, returns the wrong keys or shapes, or does not finish within
 the time limit gets a `StepError` naming the fixture, layout and (for torch) rank.
+
+**Params dtype.** ``verify --dtype bfloat16`` (or float32) hands the step the model (torch)
+or params (JAX) in that dtype instead of float64; the gradient is read back as float64 and
+judged at the precision its own noise shows (``crosscheck.verdict``).
+
+**The logged denominator.** Two bugs can give the same gradient and differ only in what the
+step believes D is (missing-world-size divides by D under an averaging reduction;
+double-reduce-count divides by R D). A step can say what it divided by, where a training
+loop would log it::
+
+    from crosscheck import log_denominator
+    ...
+    log_denominator(global_valid_tokens)   # a number, or a 0-d tensor / concrete jax.Array
+
+Call it once per update, outside any jit, on any rank; rank 0's last value of the call is
+used (a torch step's ranks each call it with their own value, as a loop logs per rank). The
+diagnosis then rules out the patterns that would have logged something else.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+#: What the step in this process logged since the harness last asked (see the docstring).
+_logged_denominators: list[float] = []
+
+
+def log_denominator(value: Any) -> None:
+    """Record the denominator D the step divided this update's loss by (see the docstring)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"log_denominator takes a number or a scalar tensor, got {type(value).__name__}: "
+            f"{error} (inside jax.jit, return D and log it outside)"
+        ) from None
+    _logged_denominators.append(number)
+
+
+def take_logged_denominator() -> float | None:
+    """The last denominator logged since the previous call, or None; forgets them all."""
+    value = _logged_denominators[-1] if _logged_denominators else None
+    _logged_denominators.clear()
+    return value
 
 
 class StepError(RuntimeError):
@@ -56,13 +96,18 @@ class VerifyJob:
     fixture: str
     world_size: int
     accum_steps: int
+    #: The dtype of the model / params handed to the step.
+    dtype: str = "float64"
 
     def describe(self) -> str:
-        return f"{self.fixture} R={self.world_size} M={self.accum_steps}"
+        dtype = "" if self.dtype == "float64" else f" {self.dtype}"
+        return f"{self.fixture} R={self.world_size} M={self.accum_steps}{dtype}"
 
 
 @dataclass(frozen=True, slots=True)
 class VerifyOutput:
-    """What the harness read from the step: the synchronized gradient, float64 numpy."""
+    """What the harness read from the step: the synchronized gradient, float64 numpy, and
+    the denominator the step logged (rank 0's), if it did."""
 
     grads: dict[str, np.ndarray]
+    logged_denominator: float | None = None

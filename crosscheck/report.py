@@ -3,19 +3,23 @@
 The terminal shows one table per kind of check. By default rows are grouped (vs-oracle rows by
 scheme and implementation, over fixtures, strategies and layouts; see GROUP_BY) with the worst
 error of the group; `--rows case` prints one row per case instead. The JSON holds every row.
+Combinations of the plan that do not run are counted by reason in the summary line, tabulated,
+and listed one by one in the JSON (`skipped`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from crosscheck.cases import Case, CaseResult, RankMetrics
+from crosscheck.cases import Case, CaseResult, RankMetrics, SkippedCase
 from crosscheck.compare import RTOL_BY_DTYPE
 from crosscheck.schedule import JobTiming
 from crosscheck.schemes import get_scheme
@@ -122,21 +126,71 @@ def timings_table(timings: Iterable[JobTiming]) -> Table:
     return table
 
 
-def summary_line(rows: list[CaseResult], wall_s: float) -> str:
+def run_ok(rows: Sequence[CaseResult]) -> bool:
+    """The verdict of a run: at least one row, and every row what the contract expects (a
+    run that checked nothing has not passed)."""
+    return bool(rows) and all(r.ok for r in rows)
+
+
+def skip_reasons(skipped: Iterable[SkippedCase]) -> list[tuple[str, int]]:
+    """(reason, how many combinations it skipped), the most frequent first."""
+    return Counter(s.reason for s in skipped).most_common()
+
+
+def skipped_table(skipped: Sequence[SkippedCase]) -> Table:
+    """The plan's combinations that did not run, one row per reason."""
+    table = Table(
+        title="planned combinations not run (see --json for each one)", title_justify="left"
+    )
+    for column in ("reason", "combinations", "checks", "impls", "fixtures"):
+        table.add_column(column, justify="right" if column == "combinations" else "left")
+    for reason, count in skip_reasons(skipped):
+        mine = [s for s in skipped if s.reason == reason]
+        table.add_row(
+            escape(reason),
+            str(count),
+            ", ".join(sorted({s.check for s in mine})),
+            ", ".join(sorted({s.impl for s in mine})),
+            ", ".join(sorted({s.fixture for s in mine})),
+        )
+    return table
+
+
+def summary_line(
+    rows: Sequence[CaseResult], wall_s: float, skipped: Sequence[SkippedCase] = ()
+) -> str:
+    """One line: rows, failures, the verdict, what the plan did not run and why, wall time."""
     failed = sum(not r.ok for r in rows)
     accidental = sum(not get_scheme(r.scheme).intended for r in rows if r.ok)
-    verdict = "[green]OK[/]" if not failed else "[red]FAILED[/]"
-    return (
+    if not rows:
+        verdict = "[red]FAILED: nothing was checked[/]"
+    else:
+        verdict = "[green]OK[/]" if not failed else "[red]FAILED[/]"
+    line = (
         f"{len(rows)} rows, {failed} failed ({accidental} rows of accidental schemes behaved "
-        f"as the accident predicts): {verdict}   wall time {wall_s:.1f} s"
+        f"as the accident predicts): {verdict}"
     )
+    if skipped:
+        reasons = skip_reasons(skipped)
+        by_reason = "; ".join(f"{count} {escape(reason)}" for reason, count in reasons)
+        line += f"; {len(skipped)} planned combinations not run: {by_reason}"
+    return f"{line}   wall time {wall_s:.1f} s"
 
 
-def write_json(path: Path, rows: list[CaseResult], wall_s: float, meta: dict[str, Any]) -> None:
+def write_json(
+    path: Path,
+    rows: Sequence[CaseResult],
+    wall_s: float,
+    meta: dict[str, Any],
+    skipped: Sequence[SkippedCase] = (),
+) -> None:
+    """The report: `ok`, `wall_s`, `meta`'s keys, `skipped` (every combination of the plan
+    that did not run, with its reason) and `results` (every row)."""
     payload = {
-        "ok": all(r.ok for r in rows),
+        "ok": run_ok(rows),
         "wall_s": round(wall_s, 3),
         **meta,
+        "skipped": [s.to_json() for s in skipped],
         "results": [r.to_json() for r in rows],
     }
     path.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")

@@ -86,8 +86,15 @@ class Scheme:
                 out[r, m] = self.token_weights(batch.microbatch(r, m)) / D
         return out
 
+    @property
+    def spec(self) -> str:
+        """The scheme as `get_scheme` reads it back: its name, or ``constant:C`` with a C."""
+        if self.name == "constant" and self.fixed_denominator is not None:
+            return f"constant:{self.fixed_denominator:.17g}"
+        return self.name
+
     def __repr__(self) -> str:
-        return f"<scheme {self.name}>"
+        return f"<scheme {self.spec}>"
 
 
 class TokenMean(Scheme):
@@ -256,14 +263,33 @@ MEAN_SCHEMES: tuple[str, ...] = (
 
 
 def get_scheme(scheme: str | Scheme) -> Scheme:
-    """Look a scheme up by name; a Scheme passes through unchanged."""
+    """Look a scheme up by name; a Scheme passes through unchanged.
+
+    ``constant:C`` is the constant scheme with the explicit normalizer C (``Constant(C)``);
+    plain ``constant`` counts every target slot.
+    """
     if isinstance(scheme, Scheme):
         return scheme
+    name, sep, argument = str(scheme).partition(":")
+    if sep:
+        if name != "constant":
+            raise ValueError(
+                f"only constant takes a parameter (constant:C), got {scheme!r}; known schemes: "
+                f"{', '.join(SCHEMES)}"
+            )
+        try:
+            normalizer = float(argument)
+        except ValueError:
+            raise ValueError(f"constant:C needs a number C, got {scheme!r}") from None
+        if not (math.isfinite(normalizer) and normalizer > 0):
+            raise ValueError(f"constant:C needs a finite C > 0, got {scheme!r}")
+        return Constant(normalizer)
     try:
         return SCHEMES[scheme]
     except KeyError:
         raise ValueError(
-            f"unknown scheme {scheme!r}; known schemes: {', '.join(SCHEMES)}"
+            f"unknown scheme {scheme!r}; known schemes: {', '.join(SCHEMES)} "
+            "(and constant:C for an explicit normalizer C)"
         ) from None
 
 

@@ -1,11 +1,16 @@
 """Verify a user's training step: does it weight tokens the way the intended scheme says?
 
 `verify` runs the step (see `crosscheck.protocol` for what it is given and must return) on
-several fixtures and layouts, in real processes, and compares every gradient with the
-oracle's for the intended scheme at the dtype's tolerance; every gradient is also diagnosed.
-Several layouts by default, because one layout can hide a weighting bug: a per-rank mean is
-exact whenever every rank holds the same number of tokens, and a per-microbatch mean is
-rank-mean at M = 1.
+several fixtures and layouts, in real processes, and judges every gradient against the
+oracle's for the intended scheme at the precision the step's own numerics show
+(``crosscheck.verdict``: float64-exact, float32-level, bf16-level; ``precision="float64"`` is
+the strict judgement). Several layouts by default, because one layout can hide a weighting
+bug: a per-rank mean is exact whenever every rank holds the same number of tokens, a
+per-microbatch mean is rank-mean at M = 1, and at R = M an extra factor R is an extra
+factor M.
+
+The name a failing step gets is the one that explains *every* case of the run
+(``crosscheck.naming.headline``), never one case's best match.
 
 ``assert_weighting`` is the pytest-friendly form: it raises AssertionError whose message is
 the diagnosis.
@@ -17,21 +22,28 @@ import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from crosscheck.catalogue import builtin_fixture
-from crosscheck.compare import FLOAT64_RTOL, finite_or_none
+from crosscheck.compare import finite_or_none
 from crosscheck.diagnose import Diagnosis, diagnose
+from crosscheck.explain import FAMILY_FIXES, GUIDE
+from crosscheck.naming import AMBIGUOUS, UNKNOWN, headline, name_of
+from crosscheck.patterns import PATTERNS
 from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.schemes import get_scheme
+from crosscheck.schemes import Scheme, get_scheme
+from crosscheck.verdict import LEVEL_NAMES, PRECISIONS, tolerance
 
+Framework = Literal["torch", "jax"]
 FRAMEWORKS = {"torch": "crosscheck.runners.torch_verify", "jax": "crosscheck.runners.jax_verify"}
 #: Two fixtures whose ranks and microbatches hold different token counts (so local means
 #: differ from global ones) and one of them packed (so per-row is not per-sequence).
 DEFAULT_FIXTURES: tuple[str, ...] = ("packed", "ragged")
-#: Ranks alone, accumulation alone, both, and four ranks.
-DEFAULT_LAYOUTS: tuple[tuple[int, int], ...] = ((2, 1), (1, 2), (2, 2), (4, 1))
+#: Ranks alone, accumulation alone, both with R = M, four ranks, and both with R != M (where
+#: an extra factor R and an extra factor M differ).
+DEFAULT_LAYOUTS: tuple[tuple[int, int], ...] = ((2, 1), (1, 2), (2, 2), (4, 1), (2, 4))
 DEFAULT_TIMEOUT_S = 120.0
+DTYPES: tuple[str, ...] = ("float64", "float32", "bfloat16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,14 +55,17 @@ class VerifyCase:
     ok: bool
     diagnosis: Diagnosis | None
     error: str = ""  # the step could not be run or read: why
+    logged_denominator: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "fixture": self.job.fixture,
             "world_size": self.job.world_size,
             "accum_steps": self.job.accum_steps,
+            "dtype": self.job.dtype,
             "max_rel_err": finite_or_none(self.max_rel_err),
             "ok": self.ok,
+            "logged_denominator": self.logged_denominator,
             "diagnosis": None if self.diagnosis is None else self.diagnosis.to_json(),
             "error": self.error,
         }
@@ -60,7 +75,9 @@ class VerifyCase:
 class VerifyReport:
     framework: str
     step: str
-    scheme: str
+    scheme: Scheme
+    #: What was asked: "auto" or a level.
+    precision: str = "auto"
     cases: list[VerifyCase] = field(default_factory=list)
 
     @property
@@ -72,51 +89,148 @@ class VerifyReport:
         return max((case.max_rel_err for case in self.cases), default=math.inf)
 
     @property
+    def diagnosed(self) -> list[Diagnosis]:
+        return [case.diagnosis for case in self.cases if case.diagnosis is not None]
+
+    @property
+    def level(self) -> str | None:
+        """The precision the run was judged at: the one asked for, or, automatically, the
+        coarsest of its cases' (a case whose noise no allowed level admits has none)."""
+        if self.precision != "auto":
+            return self.precision
+        levels = [d.precision for d in self.diagnosed if not d.beyond_precision]
+        return max(levels, key=PRECISIONS.index) if levels else None
+
+    @property
+    def explanations(self) -> list[str]:
+        """The minimal names that explain every diagnosed case (see crosscheck.naming)."""
+        if self.ok:
+            return [self.scheme.name]
+        return headline([d.fits for d in self.diagnosed], self.scheme.name)
+
+    @property
+    def best_match(self) -> str:
+        """The run's name: the intended scheme, a pattern or family explaining every case,
+        "ambiguous", "unknown", or "error" when a case could not be run and every case that
+        could matches (nothing is wrong with the weighting that the run could show)."""
+        if not self.diagnosed or (not self.ok and all(not d.detected for d in self.diagnosed)):
+            return "error"
+        return name_of(self.explanations)
+
+    @property
     def diagnosis(self) -> Diagnosis | None:
-        """The most telling case's diagnosis: a failing one if any, on a layout with both
-        ranks and microbatches (only there are rank-mean and microbatch-mean different), then
-        the largest layout, then the largest error."""
+        """The case that shows the headline best: a failing case named as the headline, on the
+        largest layout with both ranks and microbatches, then the largest error."""
         diagnosed = [case for case in self.cases if case.diagnosis is not None]
         failing = [case for case in diagnosed if not case.ok] or diagnosed
         if not failing:
             return None
-        best = max(
+        best = self.best_match
+        return max(
             failing,
             key=lambda c: (
+                c.diagnosis.best_match == best,
                 min(c.job.world_size, c.job.accum_steps) > 1,
                 c.job.world_size * c.job.accum_steps,
                 c.max_rel_err,
                 c.job,
             ),
+        ).diagnosis
+
+    @property
+    def detectable_skew(self) -> tuple[str, float] | None:
+        """The largest (least sensitive) per-rank skew threshold over the cases."""
+        skews = [d.detectable_skew for d in self.diagnosed if d.detectable_skew is not None]
+        ranks = [s for s in skews if s[0] == "rank"] or skews
+        return max(ranks, key=lambda s: s[1]) if ranks else None
+
+    def fix(self) -> str:
+        """What to change, for the run's name ("" when correct or when only errors failed)."""
+        if self.ok or self.best_match == "error":
+            return ""
+        names = self.explanations
+        if not names:
+            return self.diagnosis.fix if self.diagnosis else ""
+        texts = [
+            PATTERNS[n].fix if n in PATTERNS else FAMILY_FIXES.get(n, f"the step computes {n}")
+            for n in names
+        ]
+        return "; or ".join(texts) + f" ({GUIDE})"
+
+    def shown(self) -> str:
+        """What the run showed, in one sentence."""
+        fixtures = sorted({case.job.fixture for case in self.cases})
+        layouts = sorted({(case.job.world_size, case.job.accum_steps) for case in self.cases})
+        text = ", ".join(f"({R}, {M})" for R, M in layouts)
+        level = LEVEL_NAMES.get(self.level or "", "no precision")
+        return (
+            f"{self.scheme.spec} on fixtures {', '.join(fixtures)} at layouts (R, M) {text}, "
+            f"{level}"
         )
-        return best.diagnosis
 
     def message(self) -> str:
-        """One paragraph: the verdict, the worst error, the diagnosis, any step errors."""
+        """The verdict, what it rests on, the name and the fix, and any step errors."""
+        level = self.level
+        tol = f"tolerance {tolerance(level):.0e}" if level else "no precision"
         verdict = "matches" if self.ok else "does NOT match"
         lines = [
-            f"{self.step} ({self.framework}) {verdict} {self.scheme} on "
-            f"{len(self.cases)} fixture/layout cases (worst relative error "
-            f"{self.max_rel_err:.2e}, tolerance {FLOAT64_RTOL:.0e})."
+            f"{self.step} ({self.framework}) {verdict} {self.scheme.spec} on "
+            f"{len(self.cases)} fixture/layout cases at {LEVEL_NAMES.get(level or '', '-')} "
+            f"(worst relative error {self.max_rel_err:.2e}, {tol})."
         ]
+        skew = self.detectable_skew
+        if self.ok:
+            lines.append(f"Shown: {self.shown()}.")
+            if skew is not None:
+                lines.append(
+                    f"The run would have flagged one {skew[0]}'s weights scaled by "
+                    f"1 + {skew[1]:.1e} or more."
+                )
+        best = self.best_match
         d = self.diagnosis
-        if d is not None:
+        errored = [case for case in self.cases if case.error]
+        if best == "error" and self.diagnosed:
+            lines.append(
+                f"Every case that ran matches; {len(errored)} could not be run or read (below): "
+                "the run shows nothing wrong with the weighting, and nothing for those cases."
+            )
+        if not self.ok and best != "error":
+            names = self.explanations
+            if best == AMBIGUOUS:
+                lines.append(
+                    f"Every case fits {' and '.join(names)} alike: no case run tells them "
+                    f"apart. {_separation_hint(names)}"
+                )
+            elif best == UNKNOWN:
+                per_case = sorted({x.best_match for x in self.diagnosed if x.detected})
+                lines.append(
+                    "No single scheme, pattern or family explains every case (per case: "
+                    f"{', '.join(per_case)})."
+                )
+            else:
+                lines.append(f"Explains every case: {best}.")
+        if d is not None and not self.ok and best != "error":
             lines.append(
                 f"Diagnosis on {d.fixture} R={d.world_size} M={d.accum_steps}: "
                 f"{d.best_match}. {d.explanation}"
             )
+            fix = self.fix()
+            if fix:
+                lines.append(f"Fix: {fix}")
         lines += [f"{case.job.describe()}: {case.error}" for case in self.cases if case.error]
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
         d = self.diagnosis
-
+        skew = self.detectable_skew
         summary = {
-            "best_match": "error" if d is None else d.best_match,
+            "best_match": self.best_match,
+            "matches": self.explanations,
             "weight_ratio": None if d is None else finite_or_none(d.weight_ratio),
             "scale": None if d is None else finite_or_none(d.scale),
             "residual": None if d is None else finite_or_none(d.residual),
             "explanation": "" if d is None else d.explanation,
+            "fix": "" if self.ok else self.fix(),
             "fixture": None if d is None else d.fixture,
             "world_size": None if d is None else d.world_size,
             "accum_steps": None if d is None else d.accum_steps,
@@ -125,13 +239,28 @@ class VerifyReport:
             "ok": self.ok,
             "framework": self.framework,
             "step": self.step,
-            "scheme": self.scheme,
+            "scheme": self.scheme.spec,
+            "precision": self.level,
+            "precision_requested": self.precision,
             "max_rel_err": finite_or_none(self.max_rel_err),
-            "tolerance": FLOAT64_RTOL,
+            "tolerance": None if self.level is None else tolerance(self.level),
+            "detectable_skew": None if skew is None else {"per": skew[0], "minus_one": skew[1]},
+            "shown": self.shown(),
             "diagnosis": summary,
             "cases": [case.to_json() for case in self.cases],
             "errors": [case.error for case in self.cases if case.error],
         }
+
+
+def _separation_hint(names: Sequence[str]) -> str:
+    if {"missing-world-size", "double-reduce-count"} <= set(names):
+        return (
+            "They differ only in the denominator the step believes in: call "
+            "crosscheck.log_denominator(D) in the step."
+        )
+    if {"double-accum-divide", "missing-world-size"} & set(names):
+        return "A layout with R != M (both above 1) tells them apart."
+    return "A fixture or layout where they predict different weights tells them apart."
 
 
 def step_name(step: str | Callable) -> str:
@@ -155,69 +284,112 @@ def jobs_for(
     fixtures: Sequence[str] | None,
     world_sizes: Sequence[int] | None,
     accum_steps: Sequence[int] | None,
+    dtype: str = "float64",
 ) -> list[VerifyJob]:
-    """Every (fixture, R, M) asked for whose R M divides the fixture's rows."""
+    """Every (fixture, R, M) asked for. A layout asked for explicitly that does not divide a
+    fixture's rows is refused, naming both: a check that was asked for never silently drops.
+    Default layouts are kept where they divide (each fixture keeps at least one)."""
     names = list(fixtures or DEFAULT_FIXTURES)
-    if world_sizes is None and accum_steps is None:
-        layouts = list(DEFAULT_LAYOUTS)
-    else:
+    explicit = world_sizes is not None or accum_steps is not None
+    if explicit:
         layouts = [(R, M) for R in world_sizes or (1, 2) for M in accum_steps or (1, 2)]
+    else:
+        layouts = list(DEFAULT_LAYOUTS)
     jobs = []
     for name in names:
         rows = builtin_fixture(name).num_rows
+        fitting = [(R, M) for R, M in layouts if rows % (R * M) == 0]
+        misfits = [(R, M) for R, M in layouts if rows % (R * M)]
+        if (explicit and misfits) or not fitting:
+            text = ", ".join(f"R={R},M={M}" for R, M in misfits)
+            raise ValueError(
+                f"fixture {name!r} has {rows} rows: no layout divides them among {text}; "
+                "choose layouts with R x M dividing the rows, or other fixtures"
+                if not fitting
+                else f"fixture {name!r} has {rows} rows, which {text} does not divide "
+                "(R x M must divide the rows); drop that layout or that fixture"
+            )
         jobs += [
-            VerifyJob(fixture=name, world_size=R, accum_steps=M)
-            for R, M in layouts
-            if rows % (R * M) == 0
+            VerifyJob(fixture=name, world_size=R, accum_steps=M, dtype=dtype) for R, M in fitting
         ]
-    if not jobs:
-        raise ValueError(f"no layout of {layouts} divides the rows of {', '.join(names)}")
     return jobs
 
 
-def judge(job: VerifyJob, scheme: str, output: VerifyOutput | BaseException) -> VerifyCase:
-    """Diagnose one gradient; the diagnosis holds its error against the intended scheme's
-    oracle gradient and whether verification (float64 tolerance) fails."""
+def judge(
+    job: VerifyJob,
+    scheme: Scheme,
+    output: VerifyOutput | BaseException,
+    precision: str = "auto",
+) -> VerifyCase:
+    """Diagnose one gradient at `precision`; the case passes when the intended scheme fits."""
     if isinstance(output, BaseException):
         return VerifyCase(job, math.inf, False, None, f"{type(output).__name__}: {output}")
     fixture = builtin_fixture(job.fixture)
     try:
-        d = diagnose(fixture, job.world_size, job.accum_steps, output.grads, scheme)
+        d = diagnose(
+            fixture,
+            job.world_size,
+            job.accum_steps,
+            output.grads,
+            scheme,
+            dtype=job.dtype,
+            precision=precision,
+            logged_denominator=output.logged_denominator,
+        )
     except ValueError as error:  # wrong keys or shapes that got past the runner
         return VerifyCase(job, math.inf, False, None, f"StepError: {error}")
-    return VerifyCase(job, d.intended_error, not d.detected, d)
+    return VerifyCase(
+        job, d.intended_error, not d.detected, d, logged_denominator=output.logged_denominator
+    )
 
 
 def verify(
     step: str | Callable,
     *,
-    framework: str,
-    scheme: str,
+    framework: Framework,
+    scheme: str | Scheme,
     fixtures: Sequence[str] | None = None,
     world_sizes: Sequence[int] | None = None,
     accum_steps: Sequence[int] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    precision: str = "auto",
+    dtype: str = "float64",
 ) -> VerifyReport:
     """Run `step` (see crosscheck.protocol) on every fixture and layout and judge it.
 
-    Layouts default to DEFAULT_LAYOUTS; given `world_sizes` and/or `accum_steps`, their
-    product (the missing one defaults to (1, 2)). The report's `ok` is True only when every
-    gradient matches the oracle's for `scheme` within float64 tolerance.
+    `scheme` is a Scheme object (``Constant(4096)`` keeps its C) or a name (``constant:4096``
+    reads as that). Layouts default to DEFAULT_LAYOUTS; given `world_sizes` and/or
+    `accum_steps`, their product (the missing one defaults to (1, 2)). `dtype` is the dtype
+    of the model / params handed to the step. `precision` is "auto" (the finest level the
+    step's noise allows: float64, float32, or bfloat16 when `dtype` is) or a level to judge
+    at; "float64" is the strict float64 judgement. The report's `ok` is True only when the
+    intended scheme fits every case.
     """
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    scheme_name = get_scheme(scheme).name
-    if not get_scheme(scheme_name).intended:
-        raise ValueError(f"verify checks an intended scheme; {scheme_name!r} is accidental")
+    intended = get_scheme(scheme)
+    if not intended.intended:
+        raise ValueError(f"verify checks an intended scheme; {intended.name!r} is accidental")
+    if precision != "auto" and precision not in PRECISIONS:
+        raise ValueError(f"precision must be auto or one of {', '.join(PRECISIONS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     name = step_name(step)
-    jobs = jobs_for(fixtures, world_sizes, accum_steps)
+    jobs = jobs_for(fixtures, world_sizes, accum_steps, dtype)
     runner = importlib.import_module(FRAMEWORKS[framework])
     outputs = runner.run(name, jobs, timeout_s=timeout_s)
     cases = [
-        judge(job, scheme_name, outputs.get(job, StepError("the runner returned nothing")))
+        judge(
+            job,
+            intended,
+            outputs.get(job, StepError(f"{job.describe()}: planned but never reported")),
+            precision,
+        )
         for job in jobs
     ]
-    return VerifyReport(framework=framework, step=name, scheme=scheme_name, cases=cases)
+    return VerifyReport(
+        framework=framework, step=name, scheme=intended, precision=precision, cases=cases
+    )
 
 
 def assert_weighting(step: str | Callable, **kwargs: Any) -> VerifyReport:

@@ -10,12 +10,21 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from crosscheck.verdict import LEVEL_NAMES
 from crosscheck.verify import VerifyReport, verify
 
 
 def verify_table(report: VerifyReport) -> Table:
-    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme}")
-    for column in ("fixture", "layout", "max rel err", "diagnosed as", "weight ratio", "scale"):
+    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme.spec}")
+    for column in (
+        "fixture",
+        "layout",
+        "max rel err",
+        "precision",
+        "diagnosed as",
+        "weight ratio",
+        "scale",
+    ):
         table.add_column(column, justify="left" if column in ("fixture", "layout") else "right")
     table.add_column("result", justify="right")
     for case in report.cases:
@@ -25,6 +34,7 @@ def verify_table(report: VerifyReport) -> Table:
             case.job.fixture,
             f"R={case.job.world_size},M={case.job.accum_steps}",
             err,
+            "-" if d is None else LEVEL_NAMES[d.precision],
             "-" if d is None else d.best_match,
             "-" if d is None else f"{d.weight_ratio:.4g}",
             "-" if d is None else f"{d.scale:.6g}",
@@ -35,6 +45,12 @@ def verify_table(report: VerifyReport) -> Table:
 
 def verify_command(args: argparse.Namespace, console: Console) -> int:
     started = time.perf_counter()
+    precision = "float64" if args.strict else args.precision
+    if args.strict and args.precision not in ("auto", "float64"):
+        console.print(
+            f"[red]crosscheck verify: --strict is --precision float64, not {args.precision}[/]"
+        )
+        return 2
     try:
         with console.status(f"running {args.step} in {args.framework} processes"):
             report = verify(
@@ -45,6 +61,8 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
                 world_sizes=args.world_sizes,
                 accum_steps=args.accum,
                 timeout_s=args.timeout,
+                precision=precision,
+                dtype=args.dtype,
             )
     except ValueError as error:
         console.print(f"[red]crosscheck verify: {error}[/]")

@@ -3,13 +3,16 @@
 Per-scheme losses (`microbatch_loss`: each microbatch's sum of a_t l_t and its denominator
 contribution d), the update step under pmap, shard_map, global-view jit and multi-process
 jax.distributed with the precount and postnorm strategies, and a token-weighted accumulation
-transformation for optax. Independent of `crosscheck` on purpose: the harness imports this
-package, never the reverse.
+transformation for optax. Params may be float64 (under ``jax_enable_x64``), float32 or
+bfloat16; counts, d, D, the loss sums and g / D never take the params' dtype
+(`jax_impl.denominators`: int32 counts, float64 under x64 else float32 for the rest).
+Independent of `crosscheck` on purpose: the harness imports this package, never the reverse.
 """
 
 from jax_impl.accidental import microbatch_mean_gradients, rank_mean_gradients
 from jax_impl.accumulate import Collective, RankGradients, Strategy, rank_gradients, reduce_factor
 from jax_impl.batch import lay_out_global_batch, rank_slice, validate_global_batch
+from jax_impl.denominators import denominator_dtype
 from jax_impl.devices import require_devices
 from jax_impl.global_step import make_global_gradients, make_global_sweep, make_global_update
 from jax_impl.losses import (
@@ -58,6 +61,7 @@ __all__ = [
     "apply_clipped_update",
     "apply_optimizer",
     "data_mesh",
+    "denominator_dtype",
     "init_opt_state",
     "lay_out_global_batch",
     "local_mean_loss",

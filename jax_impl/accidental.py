@@ -3,7 +3,7 @@ r"""The accidental normalizations, written the way real training loops write the
 Each rank (or each microbatch) takes its own token mean and the data-parallel all-reduce
 averages the results. Neither is of the (a_t, d) form with a layout-free D, so neither is a
 scheme of `jax_impl.schemes`; they exist so that a gradient can be compared with them and the
-bug named (BUGS.md: rank-mean, microbatch-mean). Both have the `RankGradientsFn` signature and
+bug named (docs/bugs.md: rank-mean, microbatch-mean). Both have the `RankGradientsFn` signature and
 plug into any collective front-end through ``StepConfig(gradients=...)``.
 
 rank_mean
@@ -15,6 +15,11 @@ microbatch_mean
 
 Where a rank or microbatch has no valid token, real code divides 0 by 0; here it contributes
 nothing (the oracle's convention), so that the comparison names the reweighting, not a NaN.
+
+The local counts n_r and n_rm are int32 and are converted once, to the denominator dtype
+(`jax_impl.denominators`: float64 under x64, else float32), before the division: the
+accident reproduced is the local mean, not a count rounded to the params' dtype on top of it
+(in bfloat16, n = 257 would become 256).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_impl.accumulate import RankGradients, accumulate_microbatches
-from jax_impl.losses import Microbatch, local_mean_loss, weights_like_params
+from jax_impl.denominators import denominator_dtype
+from jax_impl.losses import Microbatch, local_mean_loss
 from jax_impl.model import Params
 from jax_impl.schemes import IGNORE_INDEX
 
@@ -42,11 +48,10 @@ def rank_mean_gradients(
     oracle reports them.
     """
     del scheme, constant_normalizer
-    rank_batch = weights_like_params(rank_batch, params)
     valid = rank_batch.targets != IGNORE_INDEX
-    dtype = rank_batch.weights.dtype
+    dtype = denominator_dtype()
     n_rank = jnp.sum(valid, dtype=jnp.int32)
-    inv_count = 1 / jnp.where(n_rank > 0, n_rank, 1).astype(dtype)
+    inv_count = 1 / jnp.where(n_rank > 0, n_rank, 1).astype(dtype)  # one conversion of n_r
     grads, loss_sum = accumulate_microbatches(params, rank_batch, valid.astype(dtype), inv_count)
     rank_mean = loss_sum * inv_count
     world_size = jax.lax.axis_size(axis_name)
@@ -72,21 +77,27 @@ def microbatch_mean_gradients(
     microbatch means, as the oracle reports them.
     """
     del scheme, constant_normalizer
-    rank_batch = weights_like_params(rank_batch, params)
     accum_steps = rank_batch.targets.shape[0]
-    mean_and_grad = jax.value_and_grad(local_mean_loss)
+    dtype = denominator_dtype()
+
+    def scaled_mean(p: Params, microbatch: Microbatch) -> tuple[jax.Array, jax.Array]:
+        # nanoGPT's `loss = loss / gradient_accumulation_steps` before backward: the division
+        # by M happens on the (denominator-dtype) loss, not on the params-dtype gradient.
+        mean = local_mean_loss(p, microbatch)
+        return mean / jnp.asarray(accum_steps, dtype), mean
+
+    grad_and_mean = jax.grad(scaled_mean, has_aux=True)
 
     def micro_step(carry, microbatch):
         grads_acc, means_acc = carry
-        mean, grads = mean_and_grad(params, microbatch)
-        # nanoGPT's `loss = loss / gradient_accumulation_steps` before backward.
-        grads_acc = jax.tree.map(lambda acc, g: acc + g / accum_steps, grads_acc, grads)
+        grads, mean = grad_and_mean(params, microbatch)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, means_acc + mean), None
 
-    like = rank_batch.weights  # zeros built from the data vary across ranks, as the carry must
+    like = rank_batch.targets  # zeros built from the data vary across ranks, as the carry must
     init = (
         jax.tree.map(lambda p: jnp.zeros_like(like, shape=p.shape, dtype=p.dtype), params),
-        jnp.zeros_like(like, shape=()),
+        jnp.zeros_like(like, shape=(), dtype=dtype),
     )
     (grads, mean_sum), _ = jax.lax.scan(micro_step, init, rank_batch)
     world_size = jax.lax.axis_size(axis_name)
@@ -94,6 +105,6 @@ def microbatch_mean_gradients(
         grads=jax.lax.pmean(grads, axis_name),
         local_valid_tokens=jnp.sum(rank_batch.targets != IGNORE_INDEX, dtype=jnp.int32),
         local_loss_sum=mean_sum,
-        global_denominator=jnp.asarray(world_size * accum_steps, like.dtype),
-        loss=jax.lax.pmean(mean_sum, axis_name) / accum_steps,
+        global_denominator=jnp.asarray(world_size * accum_steps, dtype),
+        loss=jax.lax.pmean(mean_sum, axis_name) / jnp.asarray(accum_steps, dtype),
     )

@@ -22,6 +22,14 @@ postnorm
     psum carries the gradient sums, the loss sums and both d channels, and the gradient is
     divided by D afterwards. No s: a sum is reduced and a sum is wanted.
 
+Dtypes (the rule of `jax_impl.denominators`): the count channel is int32 through both
+collectives and converted once, in `jax_impl.schemes.global_denominator`; the weight-sum
+channel is an `ExactSum` pair in the denominator dtype (float64 under x64, else float32),
+summed over microbatches with two-sum and over ranks through one slot per rank, so the psum
+adds only zeros to it. D, s / D, the loss sums and the division g / D are in that dtype;
+only the gradient itself is in the params' dtype (bfloat16 included), cast there once after
+the division.
+
 Accumulation is a ``lax.scan`` over the M microbatches rather than a Python loop over a jitted
 micro-step: the whole update is one program, so the d collective runs once before and the
 gradient collective once after all M microbatches (a Python loop would have to split the step
@@ -40,7 +48,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_impl.losses import Microbatch, weighted_loss_sum, weights_like_params
+from jax_impl.denominators import (
+    denominator_dtype,
+    divide_by_denominator,
+    exact_sum,
+    rank_slots,
+)
+from jax_impl.losses import Microbatch, weighted_loss_sum
 from jax_impl.model import Params
 from jax_impl.schemes import (
     IGNORE_INDEX,
@@ -74,8 +88,8 @@ class RankGradients(NamedTuple):
 
     grads: Params  # identical on every rank after the collective
     local_valid_tokens: jax.Array  # int32, valid targets of this rank over its M microbatches
-    local_loss_sum: jax.Array  # sum of a_t l_t over this rank's tokens
-    global_denominator: jax.Array  # D
+    local_loss_sum: jax.Array  # sum of a_t l_t over this rank's tokens (denominator dtype)
+    global_denominator: jax.Array  # D (denominator dtype)
     loss: jax.Array  # the objective L = (sum over ranks of local_loss_sum) / D
 
 
@@ -95,8 +109,9 @@ def accumulate_microbatches(
 ) -> tuple[Params, jax.Array]:
     """sum over the M microbatches of grad((sum_t a_t l_t) * scale), and sum of sum_t a_t l_t.
 
-    `rank_batch` and `token_weights` are [M, B, T]; `scale` is s / D (precount) or 1 (postnorm).
-    jit-wrapped so that its trace is cached per shape and shared by the strategies of a sweep
+    `rank_batch` and `token_weights` are [M, B, T]; `scale` is s / D (precount) or 1 (postnorm),
+    in the denominator dtype like the loss sums it multiplies; the gradient is in the params'
+    dtype. jit-wrapped so that its trace is cached per shape and shared by the strategies of a sweep
     (inside another jit, pmap or shard_map it is inlined, not a separate program).
     """
 
@@ -118,7 +133,7 @@ def accumulate_microbatches(
     zeros = jax.tree.map(
         lambda p: jnp.zeros_like(token_weights, shape=p.shape, dtype=p.dtype), params
     )
-    init = (zeros, jnp.zeros_like(token_weights, shape=()))
+    init = (zeros, jnp.zeros_like(token_weights, shape=(), dtype=denominator_dtype()))
     xs = (rank_batch.inputs, rank_batch.targets, token_weights)
     (grads, loss_sum), _ = jax.lax.scan(micro_step, init, xs)
     return grads, loss_sum
@@ -141,18 +156,22 @@ def rank_gradients(
     pmean is the missing-world-size bug, s = R with psum a doubled world size.
     """
     world_size = jax.lax.axis_size(axis_name)
-    rank_batch = weights_like_params(rank_batch, params)
+    dtype = denominator_dtype()
     terms = scheme_terms(scheme, rank_batch.targets, rank_batch.segment_ids, rank_batch.weights)
+    # int32 sums: exact up to 2^31 - 1 (past that they wrap; see jax_impl.denominators).
     local_count = jnp.sum(terms.count, dtype=jnp.int32)
-    local_weight_sum = jnp.sum(terms.weight_sum)
+    local_weight_sum = exact_sum(terms.weight_sum)  # the M microbatches' pairs, one pair
     local_valid = jnp.sum(rank_batch.targets != IGNORE_INDEX, dtype=jnp.int32)
 
     if strategy is Strategy.PRECOUNT:
-        # One collective for D over all R * M microbatches, before any forward pass.
-        total_count, total_weight_sum = jax.lax.psum((local_count, local_weight_sum), axis_name)
-        D = global_denominator(scheme, total_count, total_weight_sum, constant_normalizer)
+        # One collective for D over all R * M microbatches, before any forward pass: the int32
+        # count and this rank's weight-sum pair in its own slot (the psum adds zeros to it).
+        total_count, weight_slots = jax.lax.psum(
+            (local_count, rank_slots(local_weight_sum, axis_name)), axis_name
+        )
+        D = global_denominator(scheme, total_count, exact_sum(weight_slots), constant_normalizer)
         s = reduce_factor(collective, world_size) if scale_override is None else scale_override
-        scale = jnp.asarray(s, D.dtype) / safe_denominator(D)
+        scale = jnp.asarray(s, dtype) / safe_denominator(D)
         grads, local_loss_sum = accumulate_microbatches(
             params, rank_batch, terms.token_weights, scale
         )
@@ -169,17 +188,19 @@ def rank_gradients(
                 f"and no scale override, got collective={collective.value}, "
                 f"scale_override={scale_override}"
             )
-        one = jnp.ones((), terms.token_weights.dtype)
+        one = jnp.ones((), dtype)
         grad_sums, local_loss_sum = accumulate_microbatches(
             params, rank_batch, terms.token_weights, one
         )
-        # One collective: gradient sums, loss sums and both d channels together.
-        grad_sums, total_loss_sum, total_count, total_weight_sum = jax.lax.psum(
-            (grad_sums, local_loss_sum, local_count, local_weight_sum), axis_name
+        # One collective: gradient sums (params' dtype), loss sums, the int32 count and the
+        # weight-sum slots together. D never travels in the gradients' dtype.
+        grad_sums, total_loss_sum, total_count, weight_slots = jax.lax.psum(
+            (grad_sums, local_loss_sum, local_count, rank_slots(local_weight_sum, axis_name)),
+            axis_name,
         )
-        D = global_denominator(scheme, total_count, total_weight_sum, constant_normalizer)
-        safe_D = safe_denominator(D)
-        grads = jax.tree.map(lambda g: g / safe_D, grad_sums)
+        D = global_denominator(scheme, total_count, exact_sum(weight_slots), constant_normalizer)
+        # g / D formed in the denominator dtype, rounded once into the params' dtype.
+        grads = divide_by_denominator(grad_sums, safe_denominator(D))
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import jax.numpy as jnp
 import numpy as np
 
+from jax_impl.denominators import check_weights_dtype, denominator_dtype
 from jax_impl.losses import Microbatch
 from jax_impl.schemes import IGNORE_INDEX
 
@@ -86,12 +88,18 @@ def lay_out_global_batch(
     accum_steps: int,
     *,
     vocab_size: int,
-    weights_dtype: np.dtype | type = np.float32,
+    weights_dtype: np.dtype | type | str | None = None,
 ) -> Microbatch:
     """Validate a global batch and reshape each array to [R, M, B, T] (int32 token ids).
 
-    The weights are cast to `weights_dtype`, the dtype the step computes in.
+    The weights are cast to `weights_dtype`; by default the denominator dtype (float64 under
+    ``jax_enable_x64``, else float32), which is where the steps read them whatever the
+    params' dtype (`jax_impl.denominators`). A float dtype narrower than float32 (bfloat16,
+    float16) is refused: it would round every w_t, and with them weighted_mean's D.
     """
+    if weights_dtype is None:
+        weights_dtype = denominator_dtype()
+    check_weights_dtype(weights_dtype)
     validate_global_batch(batch, vocab_size)
     num_rows, seq_len = np.shape(batch["targets"])
     B = rows_per_microbatch(num_rows, world_size, accum_steps)
@@ -100,7 +108,8 @@ def lay_out_global_batch(
         inputs=np.asarray(batch["inputs"], dtype=np.int32).reshape(shape),
         targets=np.asarray(batch["targets"], dtype=np.int32).reshape(shape),
         segment_ids=np.asarray(batch["segment_ids"], dtype=np.int32).reshape(shape),
-        weights=np.asarray(batch["weights"], dtype=weights_dtype).reshape(shape),
+        # jnp.dtype: numpy alone does not know dtype names such as "bfloat16".
+        weights=np.asarray(batch["weights"], dtype=jnp.dtype(weights_dtype)).reshape(shape),
     )
 
 

@@ -1,4 +1,4 @@
-r"""The bug catalogue of shared/BUGS.md, each pattern as the buggy JAX step that produces it.
+r"""The bug catalogue of docs/bugs.md, each pattern as the buggy JAX step that produces it.
 
 Every step is written the way data-parallel JAX code writes it: one device of a
 ``jax.shard_map`` over the mesh axis ``"data"`` (`jax_impl.bugs_common.AXIS`), a
@@ -152,6 +152,35 @@ def double_accum_scale(
     return WindowOut(grads, D, state)
 
 
+def double_accum_divide(
+    params: Params, batch: Microbatch, state: State, ctx: StepContext
+) -> WindowOut:
+    r"""A loss already normalized by the whole window's global count, fed to an
+    ``optax.MultiSteps`` that averages its M mini-steps (its default ``use_grad_mean=True``):
+    the accumulation steps divide a second time (ms-swift#10117, there the trainer's
+    ``/ gradient_accumulation_steps`` on a ``num_items_in_batch`` loss). With
+    :math:`g_m = \sum_r \nabla \sum_{t \in rm} v_t l_t / D` under a correct psum,
+    :math:`g = \frac1M \sum_m g_m = \nabla L / M`. The state is the MultiSteps state.
+    Logs D."""
+    tx = _multisteps(params, ctx)  # BUG: averages the M gradients; summing them was right
+    D = _global_count(batch, ctx)
+    dtype = dtype_of(params)
+
+    def micro_step(carry, mb: Microbatch):
+        opt_state, _ = carry
+
+        def window_loss(p: Params) -> jax.Array:  # this microbatch's share of the token mean
+            return token_loss_sum(p, mb) / D.astype(dtype)
+
+        _, grads = jax.value_and_grad(window_loss)(params)
+        updates, opt_state = tx.update(lax.psum(grads, ctx.axis), opt_state)
+        return (opt_state, updates), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    (state, updates), _ = lax.scan(micro_step, (state, zeros), batch)
+    return WindowOut(updates, D, state)
+
+
 def unshifted_count(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
     r"""The denominator counts labels before the causal shift (transformers#46204): a row's
     labels hold one more entry than its shifted targets, so every row with a valid target
@@ -278,7 +307,9 @@ def rank_skew(params: Params, batch: Microbatch, state: State, ctx: StepContext)
     multiplied by s = ``ctx.skew``: :math:`g = \sum_t s_{r(t)} v_t \nabla l_t / D` with
     :math:`s_0 = s`, :math:`s_{r>0} = 1`; s = 1 is exactly :math:`\nabla L`. Logs D."""
     D = _global_count(batch, ctx)
-    dtype = dtype_of(params)
+    # The loss sum is at least float32 (token_losses upcasts bf16 logits), and so are D and
+    # the factor: a correct step never rounds its count to the params' bf16.
+    dtype = jnp.promote_types(dtype_of(params), jnp.float32)
     factor = jnp.where(lax.axis_index(ctx.axis) == 0, ctx.skew, 1).astype(dtype)
     _, grads = accumulate(
         lambda p, mb: token_loss_sum(p, mb) / D.astype(dtype) * factor, params, batch
@@ -294,6 +325,9 @@ BUG_STEPS: dict[str, BugStep] = {
     "missing-world-size": BugStep(missing_world_size),
     "double-world-size": BugStep(double_world_size),
     "double-accum-scale": BugStep(double_accum_scale),
+    "double-accum-divide": BugStep(
+        double_accum_divide, lambda params, ctx: _multisteps(params, ctx).init(params)
+    ),
     "unshifted-count": BugStep(unshifted_count),
     "attention-mask-count": BugStep(attention_mask_count),
     "clip-per-microbatch": BugStep(

@@ -93,7 +93,9 @@ def accumulate(
     # Zeros of the params (rank-varying under shard_map, as the carry must be: every rank
     # accumulates its own microbatches).
     zeros = jax.tree.map(jnp.zeros_like, params)
-    init = (jnp.zeros_like(jax.tree.leaves(params)[0], shape=()), zeros)
+    # The loss is at least float32 (token_losses upcasts bf16 logits): so is its running sum.
+    loss_dtype = jnp.promote_types(jax.tree.leaves(params)[0].dtype, jnp.float32)
+    init = (jnp.zeros_like(jax.tree.leaves(params)[0], shape=(), dtype=loss_dtype), zeros)
     (loss, grads), _ = jax.lax.scan(micro_step, init, rank_batch)
     return loss, grads
 

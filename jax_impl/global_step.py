@@ -9,6 +9,12 @@ microbatches; global microbatch m holds every rank's microbatch m ([R, B, T]).
 precount: D from the labels of all R M microbatches first, then
 :math:`\sum_m \nabla \big(\sum_{r,t \in m} a_t l_t / D\big)`.
 postnorm: :math:`\big(\sum_m \nabla \sum_{r,t \in m} a_t l_t\big) / D`.
+
+Dtypes as in `jax_impl.denominators`: the count sum is int32 and converted once; the weight
+sum is an `ExactSum` pair in the denominator dtype (float64 under x64, else float32), first
+per rank, then over the R per-rank pairs (the partitioner gathers those R pairs: a two-sum
+reduction is no all-reduce it could use); D, s / D, the loss sums and g / D are in that
+dtype, the gradient in the params' dtype.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 
 from jax_impl.accumulate import Collective, Strategy
+from jax_impl.denominators import denominator_dtype, divide_by_denominator, exact_sum
 from jax_impl.devices import check_rank_axis
-from jax_impl.losses import Microbatch, token_losses, weights_like_params
+from jax_impl.losses import Microbatch, token_losses
 from jax_impl.model import Params, logits_fn
 from jax_impl.schemes import (
     IGNORE_INDEX,
@@ -55,18 +62,26 @@ def global_gradients(
     strategy: Strategy = Strategy.PRECOUNT,
 ) -> ReducedGradients:
     """The gradient of one update over the global [R, M, B, T] batch (see the module doc)."""
-    batch = weights_like_params(batch, params)
     terms = scheme_terms(scheme, batch.targets, batch.segment_ids, batch.weights)
-    dtype = terms.token_weights.dtype
+    dtype = denominator_dtype()
+    # Per rank first ([R, M] -> [R]), then over the R ranks: the same pairs, in the same
+    # grouping, as the collective front-ends, so every front-end's D is the same number.
+    rank_weight_sums = exact_sum(terms.weight_sum, axis=1)
     D = global_denominator(
-        scheme, jnp.sum(terms.count), jnp.sum(terms.weight_sum), constant_normalizer
+        scheme,
+        jnp.sum(terms.count, dtype=jnp.int32),  # exact up to 2^31 - 1, then wraps
+        exact_sum(rank_weight_sums),
+        constant_normalizer,
     )
     safe_D = safe_denominator(D)
     scale = 1 / safe_D if strategy is Strategy.PRECOUNT else jnp.ones((), dtype)
 
     def scaled_loss(p: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array):
-        """(sum over [R, B, T] of a_t l_t) * scale, and the per-rank sums [R] as aux."""
-        per_rank = jnp.sum(a * token_losses(logits_fn(p, inputs), targets), axis=(1, 2))
+        """(sum over [R, B, T] of a_t l_t) * scale, and the per-rank sums [R] as aux.
+
+        a_t l_t in the loss dtype, the sums in the denominator dtype."""
+        losses = token_losses(logits_fn(p, inputs), targets)
+        per_rank = jnp.sum(a.astype(losses.dtype) * losses, axis=(1, 2), dtype=dtype)
         return jnp.sum(per_rank) * scale, per_rank
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
@@ -84,7 +99,7 @@ def global_gradients(
     )
     (grads, rank_sums), _ = jax.lax.scan(micro_step, init, xs)
     if strategy is Strategy.POSTNORM:
-        grads = jax.tree.map(lambda g: g / safe_D, grads)
+        grads = divide_by_denominator(grads, safe_D)
     return ReducedGradients(
         grads=grads,
         rank_valid_tokens=jnp.sum(batch.targets != IGNORE_INDEX, axis=(1, 2, 3), dtype=jnp.int32),
@@ -137,8 +152,9 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
             check_rank_axis(batch, world_size, "global-view jit gradients")
             batch = shard_batch(batch, mesh, axis)
         params = check_sweep_params(params, len(configs))
-        dtype = jax.tree.leaves(params)[0].dtype
-        scalars = replicate((scheme_index(scheme), jnp.asarray(constant_normalizer, dtype)), mesh)
+        # C in the denominator dtype: a bfloat16 C of 1001 would be 1000.
+        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
+        scalars = replicate((scheme_index(scheme), normalizer), mesh)
         return jitted(replicate(params, mesh), batch, *scalars)
 
     return sweep

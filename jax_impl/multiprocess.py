@@ -10,11 +10,15 @@ A worker runs a *spec* (JSON), plain data so that no harness code enters the wor
 ``cases`` (``[{"fixture": path to a six-array fixture .npz, "accum_steps": M}]``; R is the
 number of processes), ``dtypes``, ``schemes``, ``variants`` (``[[strategy, collective]]``),
 ``optimizer`` (``{"name": "adamw" | "sgd", **hyperparameters}``), ``max_grad_norm``,
-``num_updates``, ``x64`` and, for tests, ``fail_process``. It writes what it computed, nothing
+``num_updates``, ``x64`` and, for tests, ``fail_process``. ``dtypes`` are the params' dtypes
+(float64, float32, bfloat16); the soft weights are laid out in the denominator dtype (float64
+under x64, else float32) whatever the params' dtype, so that no d is rounded before the step
+(`jax_impl.denominators`). It writes what it computed, nothing
 judged, to ``process<i>.pkl``: per case and update the reduced gradient, the updated params
 and the metrics (per-rank metrics: its own rank's entry only), under keys
 ``"<case>/<dtype>/<strategy>-<collective>/<scheme>/<update>/<field>"``, and its ``rank``, as
-one pickled dict of numpy arrays (thousands of small arrays load far faster from one pickle
+one pickled dict of numpy arrays (bfloat16 values widened to float32, exactly, so that a
+reader needs no bfloat16 type) (thousands of small arrays load far faster from one pickle
 than from as many members of an .npz).
 """
 
@@ -31,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
 from jax_impl.batch import lay_out_global_batch, rank_slice
+from jax_impl.denominators import denominator_dtype
 from jax_impl.launch import free_port, run_workers
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params, params_from_numpy
@@ -98,8 +104,11 @@ def _optimizer(settings: Mapping[str, Any]) -> optax.GradientTransformation:
 
 
 def _own(x: jax.Array) -> np.ndarray:
-    """This process's block: the whole value if replicated, its rank's entry if per-rank."""
-    return np.asarray(x.addressable_data(0))
+    """This process's block: the whole value if replicated, its rank's entry if per-rank.
+
+    bfloat16 comes back as float32 (exact: every bfloat16 is a float32)."""
+    value = np.asarray(x.addressable_data(0))
+    return value.astype(np.float32) if x.dtype == jnp.bfloat16 else value
 
 
 def _run_schemes(
@@ -157,7 +166,8 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
                 mesh.size,
                 case["accum_steps"],
                 vocab_size=arrays["embed"].shape[0],
-                weights_dtype=np.dtype(dtype),
+                # Not the params' dtype: a bfloat16 weight is already rounded to 8 bits.
+                weights_dtype=np.dtype(denominator_dtype().name),
             )
             # Each process places only its own rank's rows; the global array spans them all.
             batch = shard_batch(rank_slice(laid_out, rank), mesh)

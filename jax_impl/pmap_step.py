@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_impl.denominators import denominator_dtype
 from jax_impl.devices import check_rank_axis, require_devices
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params
@@ -66,8 +67,9 @@ def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
     ) -> tuple[ReducedGradients, ...]:
         check_rank_axis(batch, world_size, "pmap gradients")
         params = check_sweep_params(params, len(configs))
-        dtype = jax.tree.leaves(params)[0].dtype
-        outs = mapped(params, batch, scheme_index(scheme), jnp.asarray(constant_normalizer, dtype))
+        # C in the denominator dtype, like D (jax_impl.denominators), not the params' dtype.
+        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
+        outs = mapped(params, batch, scheme_index(scheme), normalizer)
         return tuple(
             ReducedGradients(
                 grads=jax.tree.map(_on_rank0, out.grads),

@@ -21,6 +21,11 @@ normalization, the clip and the optimizer run exactly as for an uninterrupted up
 - postnorm: the partial sums include each rank's d channels (count, weight sum) and loss sum
   of [0, j); after [j, M) one psum carries gradient sums, loss sums and d, then g / D.
 
+Dtypes as in `jax_impl.denominators`: counts are int32 until D, the weight sums are
+`ExactSum` pairs in the denominator dtype (float64 under x64, else float32) and are saved as
+pairs, so that a window stopped and resumed sums its weights exactly as an unbroken one; the
+loss sums and g / D are in that dtype too, the gradient sums in the params' dtype.
+
 Why pmap rather than shard_map: the partial sums are per-rank, unreduced values, and pmap's
 outputs are naturally stacked [R, ...] arrays that go to and come back from a checkpoint as
 plain numpy without a mesh; params and optimizer state are replicated (taken from rank 0), so
@@ -47,6 +52,14 @@ from jax_impl.checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from jax_impl.denominators import (
+    ExactSum,
+    add_exact,
+    denominator_dtype,
+    divide_by_denominator,
+    exact_sum,
+    rank_slots,
+)
 from jax_impl.devices import check_rank_axis, require_devices
 from jax_impl.losses import Microbatch, weighted_loss_sum
 from jax_impl.model import Params
@@ -64,7 +77,7 @@ class PartialWindow(NamedTuple):
     grad_sums: Params  # [R, ...]: sum over m < done of grad((sum_t a_t l_t) * c)
     loss_sums: jax.Array  # [R]: sum over m < done of sum_t a_t l_t
     counts: jax.Array  # [R] int32: d (count channel) of m < done
-    weight_sums: jax.Array  # [R]: d (weight channel) of m < done
+    weight_sums: ExactSum  # [R] pairs: d (weight channel) of m < done
     denominator: jax.Array  # precount's D of the whole window (postnorm: 0, not known yet)
 
 
@@ -81,15 +94,19 @@ class _Sums(NamedTuple):
     grad_sums: Params
     loss_sums: jax.Array
     counts: jax.Array
-    weight_sums: jax.Array
+    weight_sums: ExactSum
 
 
 def _window_denominator(window: Microbatch, scheme, normalizer, *, axis_name: str):
-    """D of the whole window from labels only: one psum of the two d channels."""
+    """D of the whole window from labels only: one psum of the two d channels (the weight
+    sum as this rank's pair in its own slot, so that the psum adds only zeros to it)."""
     terms = scheme_terms(scheme, window.targets, window.segment_ids, window.weights)
-    local = (jnp.sum(terms.count, dtype=jnp.int32), jnp.sum(terms.weight_sum))
-    total_count, total_weight_sum = jax.lax.psum(local, axis_name)
-    return global_denominator(scheme, total_count, total_weight_sum, normalizer)
+    local = (
+        jnp.sum(terms.count, dtype=jnp.int32),
+        rank_slots(exact_sum(terms.weight_sum), axis_name),
+    )
+    total_count, weight_slots = jax.lax.psum(local, axis_name)
+    return global_denominator(scheme, total_count, exact_sum(weight_slots), normalizer)
 
 
 def _accumulate(params: Params, part: Microbatch, sums: _Sums, scale, scheme) -> _Sums:
@@ -113,7 +130,7 @@ def _accumulate(params: Params, part: Microbatch, sums: _Sums, scale, scheme) ->
         grads,
         loss,
         sums.counts + jnp.sum(terms.count, dtype=jnp.int32),
-        sums.weight_sums + jnp.sum(terms.weight_sum),
+        add_exact(sums.weight_sums, exact_sum(terms.weight_sum)),
     )
 
 
@@ -124,9 +141,12 @@ def _finish(sums: _Sums, D, scheme, normalizer, *, axis_name: str, strategy, col
         grads = reduce(sums.grad_sums, axis_name)
         total_loss = jax.lax.psum(sums.loss_sums, axis_name)  # metrics only
     else:
-        grad_sums, total_loss, count, weight_sum = jax.lax.psum(tuple(sums), axis_name)
-        D = global_denominator(scheme, count, weight_sum, normalizer)
-        grads = jax.tree.map(lambda g: g / safe_denominator(D), grad_sums)
+        slots = rank_slots(sums.weight_sums, axis_name)
+        grad_sums, total_loss, count, weight_slots = jax.lax.psum(
+            (sums.grad_sums, sums.loss_sums, sums.counts, slots), axis_name
+        )
+        D = global_denominator(scheme, count, exact_sum(weight_slots), normalizer)
+        grads = divide_by_denominator(grad_sums, safe_denominator(D))
     return grads, D, total_loss / safe_denominator(D)
 
 
@@ -165,13 +185,15 @@ class ResumableLoop:
         params = jax.device_put(params, self.devices[0])
         return TrainState(params, jax.jit(self.config.optimizer.init)(params), 0)
 
-    def _zero_sums(self, params: Params, dtype) -> _Sums:
-        R = self.world_size
+    def _zero_sums(self, params: Params) -> _Sums:
+        """Empty per-rank sums: gradients in the params' dtype, the rest in the denominator
+        dtype (or int32)."""
+        R, dtype = self.world_size, denominator_dtype()
         return _Sums(
             {k: np.zeros((R, *v.shape), v.dtype) for k, v in params.items()},
             np.zeros((R,), dtype),
             np.zeros((R,), np.int32),
-            np.zeros((R,), dtype),
+            ExactSum(np.zeros((R,), dtype), np.zeros((R,), dtype)),
         )
 
     def run(
@@ -212,11 +234,11 @@ class ResumableLoop:
         """Accumulate the window's microbatches [done, stop); complete the update at M."""
         config, params = self.config, state.params
         index = scheme_index(scheme)
-        dtype = jnp.dtype(np.asarray(batch.weights).dtype)
-        normalizer = jnp.asarray(normalizer, jax.tree.leaves(params)[0].dtype)
+        dtype = denominator_dtype()
+        normalizer = jnp.asarray(normalizer, dtype)  # C like D: not in the params' dtype
         start = state.partial.done if state.partial else 0
         if state.partial is None:
-            sums = self._zero_sums(params, dtype)
+            sums = self._zero_sums(params)
         else:
             p = state.partial
             sums = _Sums(p.grad_sums, p.loss_sums, p.counts, p.weight_sums)
@@ -230,7 +252,7 @@ class ResumableLoop:
             s = reduce_factor(config.collective, self.world_size)
             scale = jnp.asarray(s, D.dtype) / safe_denominator(D)
         else:
-            D = jnp.zeros((), normalizer.dtype)
+            D = jnp.zeros((), dtype)
             scale = jnp.ones((), dtype)
         part = Microbatch(*(np.asarray(x)[:, start:stop] for x in batch))
         sums = self._accumulate(params, part, sums, scale, index)
@@ -263,7 +285,7 @@ def state_arrays(state: TrainState) -> dict[str, Any]:
             "grad_sums": {k: np.asarray(v) for k, v in p.grad_sums.items()},
             "loss_sums": np.asarray(p.loss_sums),
             "counts": np.asarray(p.counts),
-            "weight_sums": np.asarray(p.weight_sums),
+            "weight_sums": {"hi": np.asarray(p.weight_sums.hi), "lo": np.asarray(p.weight_sums.lo)},
             "denominator": np.asarray(p.denominator),
         }
     return arrays
@@ -285,7 +307,7 @@ def state_from_arrays(
             dict(p["grad_sums"]),
             p["loss_sums"],
             p["counts"],
-            p["weight_sums"],
+            ExactSum(p["weight_sums"]["hi"], p["weight_sums"]["lo"]),
             p["denominator"],
         )
     return TrainState(
@@ -351,7 +373,7 @@ def restore_train_state(
             "Change the layout at a checkpoint taken between updates."
         )
     if meta.microbatches_done:
-        zeros = loop._zero_sums(template.params, template.params["embed"].dtype)
+        zeros = loop._zero_sums(template.params)
         template = template._replace(
             partial=PartialWindow(meta.microbatches_done, *zeros, np.zeros((), zeros[1].dtype))
         )

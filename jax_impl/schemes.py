@@ -12,12 +12,22 @@ contribution :math:`d`; the objective is
 so the whole denominator of an update can be known before any forward pass (the precount
 strategy).
 
-d is returned in two channels, ``count`` (int32) and ``weight_sum`` (float): every scheme but
-``weighted_mean`` counts something, and an int32 count stays exact up to 2^31 tokens where a
-float32 one stops being exact past 2^24 (the float32-count bug of BUGS.md). Exactly one channel
-is nonzero for each scheme.
+d is returned in two channels, ``count`` (int32) and ``weight_sum`` (an `ExactSum` pair in the
+denominator dtype): every scheme but ``weighted_mean`` counts something, and an int32 count
+stays exact up to 2^31 tokens where a float32 one stops being exact past 2^24 (the
+float32-count bug of docs/bugs.md); weighted_mean's :math:`d = \sum_t w_t v_t` is summed with its
+rounding errors kept. Exactly one channel is nonzero for each scheme, and D rounds once:
 
-Written from DESIGN.md's table, independently of the numpy contract in ``crosscheck``.
+.. math::
+
+    D = \mathrm{fl}\Big(\sum_{r,m} \mathrm{count}_{rm}\Big) \quad\text{or}\quad
+    D = \mathrm{fl}\Big(\sum_{r,m} \mathrm{weight\_sum}_{rm}\Big)
+
+in the denominator dtype (float64 under ``jax_enable_x64``, else float32), never in the
+params' dtype. The token weights a_t are in that dtype too; the rule and its reasons are in
+`jax_impl.denominators`.
+
+Written from docs/contract.md's table, independently of the numpy contract in ``crosscheck``.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jax_impl.denominators import ExactSum, exact_sum, weights_for_denominator
 
 IGNORE_INDEX = -100
 """Target value of a token without a loss (the torch / Hugging Face convention)."""
@@ -67,9 +79,9 @@ class Scheme(enum.IntEnum):
 class SchemeTerms(NamedTuple):
     """a_t for every token of a microbatch and its denominator contribution d (two channels)."""
 
-    token_weights: jax.Array  # [B, T], the dtype of the soft weights
+    token_weights: jax.Array  # [B, T], the denominator dtype
     count: jax.Array  # int32 scalar: d of the counting schemes
-    weight_sum: jax.Array  # float scalar: d of weighted_mean
+    weight_sum: ExactSum  # scalar pair, denominator dtype: d of weighted_mean
 
 
 def _valid(targets: jax.Array) -> jax.Array:
@@ -83,7 +95,7 @@ def _inverse_group_size(group_size: jax.Array, valid: jax.Array, dtype: jnp.dtyp
 
 
 def _terms(
-    weights: jax.Array, count: jax.Array | int = 0, weight_sum: jax.Array | None = None
+    weights: jax.Array, count: jax.Array | int = 0, weight_sum: ExactSum | None = None
 ) -> SchemeTerms:
     """Pack a branch's result. Constant channels are built with ``full_like`` of the data so
     that under shard_map they carry the data's varying-manual-axes type: ``lax.switch`` needs
@@ -91,7 +103,8 @@ def _terms(
     if not isinstance(count, jax.Array):
         count = jnp.full_like(weights, count, shape=(), dtype=jnp.int32)
     if weight_sum is None:
-        weight_sum = jnp.zeros_like(weights, shape=())
+        zero = jnp.zeros_like(weights, shape=())
+        weight_sum = ExactSum(zero, zero)
     return SchemeTerms(weights, count.astype(jnp.int32), weight_sum)
 
 
@@ -138,10 +151,13 @@ def row_mean_terms(targets: jax.Array, segment_ids: jax.Array, weights: jax.Arra
 def weighted_mean_terms(
     targets: jax.Array, segment_ids: jax.Array, weights: jax.Array
 ) -> SchemeTerms:
-    """Soft-weighted mean: a_t = w_t v_t, d = sum w_t v_t (ignored tokens drop their w_t)."""
+    """Soft-weighted mean: a_t = w_t v_t, d = sum w_t v_t (ignored tokens drop their w_t).
+
+    d is an `ExactSum`: its value rounds once, however many tokens the microbatch has.
+    """
     del segment_ids
     a = jnp.where(_valid(targets), weights, 0).astype(weights.dtype)
-    return _terms(a, 0, jnp.sum(a))
+    return _terms(a, 0, exact_sum(a))
 
 
 def constant_terms(targets: jax.Array, segment_ids: jax.Array, weights: jax.Array) -> SchemeTerms:
@@ -184,9 +200,14 @@ def scheme_terms(
     A Scheme (or its name) calls its branch directly. A traced int32 scheme index selects the
     branch with ``lax.switch``, so one compiled step serves every scheme: the test matrix
     compiles once per layout, not once per (layout, scheme).
+
+    The weights are read in the denominator dtype (float64 under x64, else float32), whatever
+    dtype the params have; weights narrower than float32 are refused
+    (`jax_impl.denominators.weights_for_denominator`).
     """
     if targets.ndim < 2:
         raise ValueError(f"scheme_terms needs targets of shape [..., B, T], got {targets.shape}")
+    weights = weights_for_denominator(weights)
     if isinstance(scheme, int | str):
         fn = _vectorize(SCHEME_FNS[Scheme.from_name(scheme)], targets.ndim - 2)
         return fn(targets, segment_ids, weights)
@@ -212,16 +233,19 @@ def _switch_terms(
 def global_denominator(
     scheme: Scheme | jax.Array,
     total_count: jax.Array,
-    total_weight_sum: jax.Array,
+    total_weight_sum: ExactSum,
     constant_normalizer: float | jax.Array = 0.0,
 ) -> jax.Array:
     """D from the summed d channels: count + weight_sum, except sum (1) and constant with C > 0.
 
-    The int32 count is converted once, after all reductions: a single rounding (relative
-    2^-24 in float32) instead of one per addition.
+    Both channels are complete sums over every microbatch and rank of the update; D is in the
+    dtype of the weight-sum pair (the denominator dtype). The int32 count is converted once,
+    after all reductions: a single rounding (relative 2^-24 in float32, none in float64 below
+    2^53) instead of one per addition; the weight-sum pair rounds once too. One channel is
+    zero for every scheme, so their sum adds no rounding.
     """
-    dtype = jnp.result_type(total_weight_sum)
-    D = total_count.astype(dtype) + total_weight_sum
+    dtype = jnp.result_type(total_weight_sum.hi)
+    D = total_count.astype(dtype) + total_weight_sum.value()
     D = jnp.where(scheme == Scheme.SUM, jnp.ones((), dtype), D)
     normalizer = jnp.asarray(constant_normalizer, dtype)
     return jnp.where((scheme == Scheme.CONSTANT) & (normalizer > 0), normalizer, D)

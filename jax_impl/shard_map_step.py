@@ -20,6 +20,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.denominators import denominator_dtype
 from jax_impl.devices import check_rank_axis, require_devices
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params
@@ -140,8 +141,9 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
             check_rank_axis(batch, world_size, "shard_map gradients")
             batch = shard_batch(batch, mesh, axis)
         params = check_sweep_params(params, len(configs))
-        dtype = jax.tree.leaves(params)[0].dtype
-        scalars = replicate((scheme_index(scheme), jnp.asarray(constant_normalizer, dtype)), mesh)
+        # C in the denominator dtype, like D (jax_impl.denominators), not the params' dtype.
+        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
+        scalars = replicate((scheme_index(scheme), normalizer), mesh)
         return mapped(replicate(params, mesh), batch, *scalars)
 
     return sweep

@@ -1,7 +1,7 @@
 r"""Token-weighted gradient accumulation as an optax transformation.
 
 ``optax.MultiSteps(opt, k)`` averages the k micro-step gradients equally. With a mean loss per
-microbatch that is the microbatch-mean bug of BUGS.md (transformers#34191): a token in a
+microbatch that is the microbatch-mean bug of docs/bugs.md (transformers#34191): a token in a
 microbatch with few valid tokens weighs more than one in a full microbatch. Here every
 micro-step passes the gradient of its *unnormalized* loss :math:`\sum_t a_t l_t` together with
 its denominator contribution :math:`d`, and the update emitted on the k-th micro-step is
@@ -23,6 +23,11 @@ Usage::
     updates, state = opt.update(grads_of_loss_sum, state, params, denominator=d)
 
 Clipping inside the wrapped optimizer applies to the accumulated gradient, as it should.
+
+The denominator never lives in the gradients' dtype (`jax_impl.denominators`): d accumulates
+in ``denominator_dtype`` (int32 by default, exact to 2^31 - 1; float32 or float64 for soft
+weights, never narrower), and with bfloat16 gradients the division g / D is formed in float32
+(float64 for a float64 D) and rounded once into bfloat16.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ class TokenWeightedState(NamedTuple):
     mini_step: jax.Array  # int32 in [0, accum_steps)
     gradient_step: jax.Array  # int32, updates emitted so far
     grad_sum: optax.Updates  # sum of the micro-steps' unnormalized gradients
-    denominator_sum: jax.Array  # sum of their d, in `denominator_dtype`
+    denominator_sum: jax.Array  # sum of their d, in `denominator_dtype` (int32, float32/64)
     inner_state: optax.OptState
 
 
@@ -55,8 +60,9 @@ def token_weighted_accumulation(
     `update(grads, state, params, denominator=d)` takes this micro-step's gradient of
     sum_t a_t l_t and its d. Counts accumulate in int32 by default, exact where float32 stops
     being exact past 2^24 (the float32-count bug); pass ``denominator_dtype=jnp.float32`` (or
-    float64) for weighted_mean, whose d is a sum of soft weights. When no micro-step carried a
-    token (D = 0) the emitted gradient is zero, not NaN.
+    float64) for weighted_mean, whose d is a sum of soft weights. A float dtype narrower than
+    float32 is refused. When no micro-step carried a token (D = 0) the emitted gradient is
+    zero, not NaN.
     """
     if accum_steps < 1:
         raise ValueError(
@@ -64,6 +70,17 @@ def token_weighted_accumulation(
         )
     inner = optax.with_extra_args_support(inner)
     denominator_dtype = jnp.dtype(denominator_dtype)
+    if jnp.issubdtype(denominator_dtype, jnp.floating) and jnp.finfo(denominator_dtype).bits < 32:
+        raise ValueError(
+            f"token_weighted_accumulation: denominator_dtype={denominator_dtype} keeps "
+            f"{jnp.finfo(denominator_dtype).nmant + 1} significant bits, so D would be rounded "
+            "before the division; use int32 for counts, float32 or float64 for weight sums"
+        )
+    # The dtype g / D is formed in: at least float32, wider if D is (float64).
+    quotient_floor = jnp.promote_types(
+        jnp.float32,
+        denominator_dtype if jnp.issubdtype(denominator_dtype, jnp.floating) else jnp.float32,
+    )
 
     def init(params: optax.Params) -> TokenWeightedState:
         return TokenWeightedState(
@@ -101,8 +118,11 @@ def token_weighted_accumulation(
         emit = state.mini_step == accum_steps - 1
 
         def normalize(g: jax.Array) -> jax.Array:
-            D = denominator_sum.astype(g.dtype)
-            return g / jnp.where(D > 0, D, jnp.ones_like(D))
+            # Divide in at least float32 and round once into g's dtype: casting D to a
+            # bfloat16 gradient's dtype first would round it to 8 bits (1001 -> 1000).
+            dtype = jnp.promote_types(g.dtype, quotient_floor)
+            D = denominator_sum.astype(dtype)
+            return (g.astype(dtype) / jnp.where(D > 0, D, jnp.ones_like(D))).astype(g.dtype)
 
         # Like optax.MultiSteps, run the wrapped optimizer on every micro-step and keep its
         # result only when emitting: no lax.cond, so this composes with pmap and shard_map.

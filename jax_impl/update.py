@@ -70,20 +70,20 @@ class StepConfig:
 class ReducedGradients(NamedTuple):
     """A front-end's gradient of one update: per-rank fields are [R], the rest replicated."""
 
-    grads: Params  # the fully reduced gradient of the objective, before clipping
+    grads: Params  # the fully reduced gradient of the objective, before clipping (params' dtype)
     rank_valid_tokens: jax.Array  # [R] int32
-    rank_loss_sums: jax.Array  # [R], sum of a_t l_t per rank
-    global_denominator: jax.Array  # D
-    loss: jax.Array  # the objective L
+    rank_loss_sums: jax.Array  # [R], sum of a_t l_t per rank (denominator dtype)
+    global_denominator: jax.Array  # D (denominator dtype: float64 under x64, else float32)
+    loss: jax.Array  # the objective L (denominator dtype)
 
 
 class UpdateMetrics(NamedTuple):
     """Per-update metrics. Per-rank fields are [R]; the rest are scalars."""
 
     rank_valid_tokens: jax.Array  # [R] int32
-    rank_loss_sums: jax.Array  # [R], sum of a_t l_t per rank
-    global_denominator: jax.Array  # D
-    loss: jax.Array  # the objective L
+    rank_loss_sums: jax.Array  # [R], sum of a_t l_t per rank (denominator dtype)
+    global_denominator: jax.Array  # D (denominator dtype)
+    loss: jax.Array  # the objective L (denominator dtype)
     grad_norm: jax.Array  # global norm of the reduced gradient, before clipping
     clipped_grad_norm: jax.Array  # after clipping (equal when no clipping happened)
 

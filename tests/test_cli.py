@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import numpy as np
+
 from crosscheck.cli import main
 
 RESULT_KEYS = {
@@ -18,6 +20,12 @@ RESULT_KEYS = {
     "max_rel_err",
     "ok",
 }
+
+
+def test_main_leaves_the_callers_numpy_error_state_alone(tmp_path):
+    before = np.geterr()
+    main(["run", "--impls", "oracle", "--fixture", "seed", "--no-resume"])
+    assert np.geterr() == before
 
 
 def test_oracle_run_writes_the_documented_json_and_exits_zero(tmp_path):
@@ -42,6 +50,18 @@ def test_oracle_run_writes_the_documented_json_and_exits_zero(tmp_path):
     assert max(r["max_rel_err"] for r in intended) <= 1e-12
     seed_rank = [r for r in invariance if r["fixture"] == "seed" and r["scheme"] == "rank_mean"]
     assert max(r["max_rel_err"] for r in seed_rank) > 0.1  # the accidental scheme's deviation
+    # seed's 2 rows do not divide R x M = 4 or 8: those oracle rows are listed as not run,
+    # with why.
+    skipped = payload["skipped"]
+    assert skipped and {s["reason"] for s in skipped} == {"seed has 2 rows, not divisible by R x M"}
+    assert {(s["check"], s["impl"], s["world_size"], s["accum_steps"]) for s in skipped} == {
+        ("layout-invariance", "oracle", 2, 2),
+        ("layout-invariance", "oracle", 4, 1),
+        ("layout-invariance", "oracle", 4, 2),
+    }
+    assert f"{len(skipped)} planned combinations not run: {len(skipped)} seed has 2 rows" in (
+        completed.stdout
+    )
 
 
 def test_run_filters_fixtures_schemes_and_layouts(tmp_path):
@@ -93,3 +113,16 @@ def test_run_refuses_an_unknown_implementation():
     )
     assert completed.returncode == 2
     assert "unknown implementation 'jax-xla'" in completed.stdout
+
+
+def test_run_refuses_a_world_size_that_divides_no_named_fixture():
+    code = main(["run", "--world-sizes", "3", "--fixture", "packed", "--impls", "oracle"])
+    assert code == 2
+
+
+def test_default_lists_are_not_explicit_and_named_ones_are():
+    from crosscheck.cli import _plan, build_parser
+
+    plan = _plan(build_parser().parse_args(["run", "--impls", "oracle", "--accum", "1"]))
+    assert plan.explicit == {"impls", "accum_steps"}
+    assert plan.world_sizes == [1, 2, 4] and plan.strategies == ["precount", "postnorm"]

@@ -56,7 +56,7 @@ def test_scheme_terms_match_the_contract(fixture_name: str) -> None:
                     terms.token_weights[0, m], contract.token_weights(mb), rtol=F32_ELEMENT_RTOL,
                     err_msg=f"{fixture.name}/{scheme_name}: a_t of microbatch {m}",
                 )  # fmt: skip
-                d = int(terms.count[0, m]) + float(terms.weight_sum[0, m])
+                d = int(terms.count[0, m]) + float(terms.weight_sum.value()[0, m])
                 if scheme_name != "sum":  # sum: D fixed to 1, no d per microbatch
                     assert d == pytest.approx(contract.denominator(mb), rel=F32_ELEMENT_RTOL), (
                         f"{fixture.name}/{scheme_name}: d of microbatch {m} = {d}, contract "
@@ -65,16 +65,18 @@ def test_scheme_terms_match_the_contract(fixture_name: str) -> None:
 
 
 def test_counts_stay_in_the_integer_channel() -> None:
-    """Counting schemes carry d as int32 (exact past 2^24), weighted_mean as a float."""
+    """Counting schemes carry d as int32 (exact past 2^24), weighted_mean as a float pair in
+    the denominator dtype (float32 here, x64 off)."""
     mb = numpy_microbatches(builtin_fixture("packed"), 1, 1)[0]
     args = (mb.targets, mb.segment_ids, mb.weights.astype(np.float32))
     for scheme in jax_impl.Scheme:
         terms = jax_impl.scheme_terms(scheme, *args)
         assert terms.count.dtype == jnp.int32
+        assert terms.weight_sum.hi.dtype == terms.weight_sum.lo.dtype == jnp.float32
         if scheme is jax_impl.Scheme.WEIGHTED_MEAN:
-            assert int(terms.count) == 0 and float(terms.weight_sum) > 0
+            assert int(terms.count) == 0 and float(terms.weight_sum.value()) > 0
         else:
-            assert float(terms.weight_sum) == 0
+            assert float(terms.weight_sum.value()) == 0
 
 
 def test_model_loads_numpy_params_and_matches_the_oracle_losses() -> None:

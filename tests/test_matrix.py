@@ -32,6 +32,18 @@ DOCUMENTED_KEYS = {
     "deviation",
     "detail",
 }
+SKIP_KEYS = {
+    "check",
+    "impl",
+    "fixture",
+    "scheme",
+    "strategy",
+    "world_size",
+    "accum_steps",
+    "dtype",
+    "reason",
+}
+CASE_KEYS = ("impl", "fixture", "scheme", "strategy", "world_size", "accum_steps", "dtype")
 LOG_KEYS = {
     "impl",
     "fixture",
@@ -88,6 +100,7 @@ def test_json_has_the_documented_keys_and_every_check(run_output):
     _, out = run_output
     payload = json.loads((out / "run.json").read_text())
     assert payload["ok"] is True and payload["wall_s"] > 0
+    assert payload["plan"]["explicit"] == ["accum_steps", "fixtures", "schemes", "world_sizes"]
     rows = payload["results"]
     for row in rows:
         assert set(row) >= DOCUMENTED_KEYS, set(DOCUMENTED_KEYS) - set(row)
@@ -106,6 +119,30 @@ def test_json_has_the_documented_keys_and_every_check(run_output):
     assert impls == set(IMPLEMENTATIONS)
     # float64 everywhere: every implementation matches the oracle to 1e-12.
     assert max(r["max_rel_err"] for r in rows if r["check"] == "vs-oracle") <= 1e-12
+
+
+def test_combinations_not_run_are_counted_and_listed_with_their_reasons(run_output):
+    completed, out = run_output
+    payload = json.loads((out / "run.json").read_text())
+    skipped = payload["skipped"]
+    for record in skipped:
+        assert set(record) == SKIP_KEYS and record["reason"], record
+    reasons = {record["reason"] for record in skipped}
+    # The default implementations' products that do not exist, each with its own reason.
+    assert {
+        "FSDP2 has no comm hook, so postnorm does not run there: torch-fsdp2 runs precount",
+        "the torch mean-loss loop is rank_mean only at M = 1 (at M > 1 microbatch_mean)",
+        "jax-jit is a global view: there is no per-rank mean to take by accident",
+        "jax-multiprocess launches 2 and 4 processes, not 1",
+    } <= reasons
+    assert f"{len(skipped)} planned combinations not run: " in completed.stdout
+    # Skipped means not run: none of them came back as a row.
+    rows = {
+        tuple(row[key] for key in CASE_KEYS)
+        for row in payload["results"]
+        if row["check"] == "vs-oracle"
+    }
+    assert not [r for r in skipped if tuple(r[key] for key in CASE_KEYS) in rows]
 
 
 def test_accidental_rows_show_their_deviation(run_output):

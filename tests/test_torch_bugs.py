@@ -101,6 +101,7 @@ EXPECTED_DENOMINATOR: dict[str, Callable[[dict[str, float], int], float]] = {
     "missing-world-size": lambda c, R: c["D"],
     "double-world-size": lambda c, R: c["D"],
     "double-accum-scale": lambda c, R: c["D"],
+    "double-accum-divide": lambda c, R: c["D"],
     "unshifted-count": lambda c, R: c["D"] + c["rows"],
     "attention-mask-count": lambda c, R: c["attended"],
     "clip-per-microbatch": lambda c, R: c["D"],
@@ -117,6 +118,7 @@ TOKEN_MEAN_SCALE: dict[str, Callable[[dict[str, float], int, int], float]] = {
     "missing-world-size": lambda c, R, M: 1 / R,
     "double-world-size": lambda c, R, M: R,
     "double-accum-scale": lambda c, R, M: M,
+    "double-accum-divide": lambda c, R, M: 1 / M,
     "double-reduce-count": lambda c, R, M: 1 / R,
     "stale-count": lambda c, R, M: 1 / 2,
     "padding-as-tokens": lambda c, R, M: c["D"] / c["slots"],
@@ -283,7 +285,7 @@ def _run(**changes) -> BugRun:
         (_run(fixture="no-such-fixture"), "unknown fixture 'no-such-fixture'"),
         (_run(world_size=5), "144 rows of fixture 'ragged' cannot be laid out"),
         (_run(skew=1.5), "skew applies to rank-skew only"),
-        (_run(dtype="bfloat16"), "dtype must be one of"),
+        (_run(dtype="float16"), "dtype must be one of"),
     ],
 )
 def test_runs_that_cannot_launch_fail_by_name(bug_run: BugRun, message: str) -> None:

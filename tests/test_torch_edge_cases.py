@@ -3,7 +3,7 @@
 A rank whose rows carry no valid target must add nothing, not 0/0 = NaN (fixture
 "empty-rank"); an update in which no token carries a loss has D = 0 and must leave a zero
 gradient. SGD makes the updated params proportional to the clipped gradient, so it checks the
-clip-after-reduction order in the params themselves (BUGS.md clip-per-microbatch).
+clip-after-reduction order in the params themselves (docs/bugs.md clip-per-microbatch).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A SUM all-reduce is simulated here by adding the ranks' slot vectors in the bucket dtype, in
 every order a backend might use. Counts past 2^24 (a 16M-token global batch) are where a plain
-float32 sum stops being exact (BUGS.md float32-count); the limbs must stay exact there and for
+float32 sum stops being exact (docs/bugs.md float32-count); the limbs must stay exact there and for
 arbitrary float64 weight sums.
 """
 

@@ -1,7 +1,7 @@
 """The plain DDP loop with F.cross_entropy(reduction="mean") reproduces the accidental schemes.
 
 Each microbatch's token mean, divided by M, averaged by DDP over R ranks: the oracle's
-rank_mean at M = 1 and microbatch_mean at M > 1 (BUGS.md rank-mean and microbatch-mean;
+rank_mean at M = 1 and microbatch_mean at M > 1 (docs/bugs.md rank-mean and microbatch-mean;
 transformers#34191). Reproducing them exactly is what shows the reference would catch a real
 loop written this way. A microbatch without a valid target reports a NaN loss (0/0) but adds a
 zero gradient, which is how the oracle's accidental schemes treat it too.

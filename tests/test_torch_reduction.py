@@ -2,9 +2,9 @@
 
 precount backpropagates (sum a_t l_t) s / D and is right only when s is the reduce factor of
 the gradient reduction actually in use. The probe measures that factor on the wrapped model:
-plain DDP averages ("mean, factor R"), the postnorm hook sums ("sum"). A precount step that
-assumes s = 1 under DDP's averaging is the missing-world-size bug (BUGS.md, transformers#37474):
-its gradient is the intended one divided by R, and the comparison with the oracle must fail.
+plain DDP averages ("mean, factor R"), the postnorm hook sums ("sum"). A precount step that assumes
+s = 1 under DDP's averaging is the missing-world-size bug (docs/bugs.md, transformers#37474): its
+gradient is the intended one divided by R, and the comparison with the oracle must fail.
 """
 
 from __future__ import annotations

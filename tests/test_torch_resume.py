@@ -202,11 +202,11 @@ def test_resume_matches_uninterrupted_and_oracle(resumed, case: ResumeCase) -> N
     output = resumed[0][case]
     if isinstance(output, BaseException):
         raise output
-    # float64, 1e-12 (DESIGN.md): a resume at the saved layout replays the uninterrupted run's
-    # operations in the same order (measured: bit-identical); one at another layout reorders
-    # the gradient sums of updates 2 and 3, and the oracle is independent code for the same
-    # math. Either way only rounding (~1e-16 per operation) separates them, while a dropped
-    # microbatch or a wrong D moves the params by > 1e-6 (test_dropped_partial_state_misses).
+    # float64, 1e-12 (docs/contract.md): a resume at the saved layout replays the uninterrupted
+    # run's operations in the same order (measured: bit-identical); one at another layout reorders
+    # the gradient sums of updates 2 and 3, and the oracle is independent code for the same math.
+    # Either way only rounding (~1e-16 per operation) separates them, while a dropped microbatch or
+    # a wrong D moves the params by > 1e-6 (test_dropped_partial_state_misses).
     what = case.describe()
     assert_tree_close(
         output.resumed, output.uninterrupted, FLOAT64_RTOL, f"{what} vs uninterrupted"

@@ -156,5 +156,7 @@ def test_case_options_are_checked_up_front() -> None:
         UpdateCase(strategy="postnrom", **common)
     with pytest.raises(ValueError, match="postnorm needs a DDP comm hook"):
         UpdateCase(strategy="postnorm", front_end="fsdp2", **common)
+    # bfloat16 runs (tests/test_torch_denominators.py); float16 has bf16's precision problem
+    # without its range (a count above 65504 is inf), so the reference does not offer it.
     with pytest.raises(ValueError, match="dtype must be one of"):
-        UpdateCase(strategy="precount", dtype="bfloat16", **common)
+        UpdateCase(strategy="precount", dtype="float16", **common)

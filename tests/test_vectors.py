@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from crosscheck.cases import TrainSettings
-from crosscheck.matrix import Plan, run_matrix
+from crosscheck.matrix import run_matrix
+from crosscheck.plan import Plan
 from crosscheck.schemes import SCHEMES
 from crosscheck.vectors import MANIFEST_NAME, export_vectors
 

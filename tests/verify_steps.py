@@ -96,3 +96,45 @@ def misbehaving_factory_step(
     if len(microbatches) == 3:
         model.module.embed.grad = None
     return model
+
+
+def _summed_loss_backward(model: nn.Module, microbatches: Microbatches, divide_by: float) -> None:
+    """Every microbatch's summed token loss divided by `divide_by`, under DDP's averaging."""
+    for index, batch in enumerate(microbatches):
+        last = index == len(microbatches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            logits = model(batch["inputs"])
+            loss = cross_entropy(
+                logits.view(-1, logits.size(-1)), batch["targets"].view(-1), reduction="sum"
+            )
+            (loss / divide_by).backward()
+
+
+def _global_count(microbatches: Microbatches) -> int:
+    count = sum((batch["targets"] != -100).sum() for batch in microbatches)
+    count = torch.as_tensor(count, dtype=torch.int64)
+    dist.all_reduce(count)
+    return int(count)
+
+
+#: The fixed normalizer of `constant_normalizer` (verify it with --scheme constant:1000).
+CONSTANT_C = 1000.0
+
+
+def constant_normalizer(model: nn.Module, microbatches: Microbatches) -> None:
+    """Sum of token losses over a normalizer fixed in advance, C = 1000, times R for DDP."""
+    _summed_loss_backward(model, microbatches, CONSTANT_C / dist.get_world_size())
+
+
+def averaged_grads_logged(model: nn.Module, microbatches: Microbatches) -> None:
+    """The global count D, but no x R under DDP's averaging (missing-world-size); logs D."""
+    from crosscheck import log_denominator
+
+    count = _global_count(microbatches)
+    log_denominator(count)
+    _summed_loss_backward(model, microbatches, count)
+
+
+def averaged_grads_unlogged(model: nn.Module, microbatches: Microbatches) -> None:
+    """The same gradient as `averaged_grads_logged`, with nothing logged."""
+    _summed_loss_backward(model, microbatches, _global_count(microbatches))

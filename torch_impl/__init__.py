@@ -6,7 +6,9 @@ backpropagate with s / D; postnorm: a comm hook that sums gradients and carries 
 all-reduce), a probe that measures the reduce factor s, and a launcher that runs R real gloo
 processes with bounded waits. Atomic per-rank checkpoints (``torch_impl.checkpoint``) stop a
 run after an update or inside its accumulation window, and ``torch_impl.resume`` continues it
-in fresh processes, between updates possibly at another world size. FSDP2 lives in
+in fresh processes, between updates possibly at another world size. The params may be float64,
+float32 or bfloat16; every count, d, D, weight sum and logged loss sum stays float64 and the
+division by D is taken in float64 before the cast (``schemes.accumulation_dtype``). FSDP2 lives in
 ``torch_impl.fsdp`` (imported on demand: it pulls in DTensor). Written independently of the
 numpy oracle and of jax_impl.
 """

@@ -1,4 +1,4 @@
-r"""The buggy training steps of shared/BUGS.md on one rank: the torch side of the bug catalogue.
+r"""The buggy training steps of docs/bugs.md on one rank: the torch side of the bug catalogue.
 
 A :class:`BugStep` names a pattern of ``crosscheck.patterns`` (or ``RANK_SKEW``), a global
 batch of [N, T] numpy arrays, float64 params, the accumulation steps M, a dtype and, for
@@ -6,7 +6,8 @@ rank-skew, a skew. :func:`run_bug_steps` is a ``torch_impl.launcher.launch`` tar
 rank of a gloo group it runs each step as a real loop would,
 
 * a fresh ``DistributedDataParallel``-wrapped ``BilinearLM`` holding the step's params (float64,
-  or float32 when the step says so);
+  or float32 or bfloat16 when the step says so: the loop computes in that dtype throughout, as
+  a plain bf16 loop does);
 * rank r's rows [r N/R, (r+1) N/R) in M contiguous microbatches (``crosscheck.layout``);
 * `num_windows` accumulation windows on that same batch with the same params, gradients zeroed
   between windows and no optimizer step (only stale-count makes the windows differ); each
@@ -32,7 +33,11 @@ from torch_impl.batch import BATCH_KEYS, TokenBatch, rank_microbatches
 from torch_impl.bugs_windows import RANK_SKEW, WINDOW_STEPS, Window
 from torch_impl.model import PARAM_NAMES, BilinearLM, numpy_grads
 
-DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,4 +1,4 @@
-r"""One accumulation window of every buggy loop of shared/BUGS.md, written as torch loops are.
+r"""One accumulation window of every buggy loop of docs/bugs.md, written as torch loops are.
 
 Every function here runs the backward passes of one window (optimizer update) on one rank of a
 DistributedDataParallel-wrapped model and returns the denominator the loop would log. The
@@ -65,8 +65,14 @@ def _accumulating(
 
 
 def _cross_entropy(model: nn.Module, batch: TokenBatch, reduction: str) -> torch.Tensor:
-    """``F.cross_entropy`` of the model's logits; ignored targets (-100) carry no loss."""
+    """``F.cross_entropy`` of the model's logits; ignored targets (-100) carry no loss.
+
+    bf16 logits are upcast to float32 first, as Hugging Face's ``logits.float()`` does, so the
+    loss, and any count it is divided by, is never rounded to 8 bits (float64 and float32
+    logits are left as they are)."""
     logits = model(batch.inputs)
+    if logits.dtype == torch.bfloat16:
+        logits = logits.float()
     losses = cross_entropy(
         logits.flatten(0, 1),
         batch.targets.flatten(),
@@ -191,6 +197,27 @@ def double_accum_scale(
             loss = _cross_entropy(model, batch, "sum") * window.world_size / denominator
             (loss * window.accum_steps).backward()  # BUG: x M on a globally normalized loss
     return float(denominator)
+
+
+def double_accum_divide(
+    model: nn.Module, microbatches: Sequence[TokenBatch], window: Window
+) -> float:
+    r"""double-accum-divide: a loss normalized over the whole window is divided by M again.
+
+    The user's loss already divides by the window's global count (``num_items_in_batch``
+    counts all M microbatches of all ranks, and the user multiplies by R against DDP's
+    average): :math:`R \sum_{t \in (r, m)} v_t l_t / D`. The trainer's training step then
+    divides every microbatch loss by ``gradient_accumulation_steps`` before backward, as it
+    would a per-microbatch mean: the gradient is :math:`g / M`.
+    Upstream: ms-swift#10117. Logs D.
+    """
+    num_items_in_batch = _global_sum(_local_valid(microbatches))
+    for step, batch in enumerate(microbatches):
+        with _accumulating(model, step, window.accum_steps):
+            # The user's compute_loss: right on its own.
+            loss = _cross_entropy(model, batch, "sum") * window.world_size / num_items_in_batch
+            (loss / window.accum_steps).backward()  # BUG: the trainer's / M on top
+    return float(num_items_in_batch)
 
 
 def unshifted_count(model: nn.Module, microbatches: Sequence[TokenBatch], window: Window) -> float:
@@ -340,7 +367,7 @@ def rank_skew(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wind
     r"""rank-skew: the correct token-mean loop, except rank 0's loss is multiplied by `skew`.
 
     The gradient is :math:`g + (\mathrm{skew} - 1)\, g_0` with :math:`g_0` rank 0's share of
-    g: the smallest distortion verification should flag (not a BUGS.md pattern; skew 1 is
+    g: the smallest distortion verification should flag (not a docs/bugs.md pattern; skew 1 is
     the correct step). Logs D.
     """
     denominator = _global_sum(_local_valid(microbatches))
@@ -356,6 +383,7 @@ WINDOW_STEPS: dict[str, WindowStep] = {
     "missing-world-size": missing_world_size,
     "double-world-size": double_world_size,
     "double-accum-scale": double_accum_scale,
+    "double-accum-divide": double_accum_divide,
     "unshifted-count": unshifted_count,
     "attention-mask-count": attention_mask_count,
     "clip-per-microbatch": clip_per_microbatch,

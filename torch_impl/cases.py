@@ -16,6 +16,7 @@ resumed run's params can be compared with an uninterrupted run's (``torch_impl.c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -47,7 +48,17 @@ from torch_impl.update import (
 
 CaseStrategy = Literal["precount", "postnorm", "mean_loss"]
 FrontEnd = Literal["ddp", "fsdp2"]
-DTYPES: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
+#: The params' dtype of a case. bfloat16 is the real thing: the model, its gradients, DDP's
+#: buckets (all-reduced in bf16 on gloo) and the optimizer state are bf16; only the per-token
+#: cross-entropy (float32, from upcast logits) and every count, weight sum and division by D
+#: (float64) are wider (``torch_impl.schemes.accumulation_dtype``).
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+}
+#: The dtype whose wrapper measures a bf16 wrapper's reduce factor (see ``_WrapperCache``).
+PROBE_DTYPE = "float32"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +75,7 @@ class UpdateCase:
     strategy: CaseStrategy
     accum_steps: int
     optimizer: OptimizerSpec
-    dtype: Literal["float64", "float32"] = "float64"
+    dtype: Literal["float64", "float32", "bfloat16"] = "float64"
     front_end: FrontEnd = "ddp"
     #: FSDP2 only: None keeps its default (divide by R), 1.0 sums.
     fsdp_divide_factor: float | None = None
@@ -177,20 +188,33 @@ class _WrapperCache:
         dtype = DTYPES[case.dtype]
         module = BilinearLM.from_numpy(case.params, dtype)
         probe_inputs = torch.arange(module.vocab_size).view(1, -1)
+        # The probe (torch_impl.probe) snaps the measured factor at a relative residual of
+        # 1e-5, float32-sized; a bf16 gradient is rounded to 2^-9, so a bf16 wrapper cannot be
+        # measured by it. Its factor is measured on the same wrapper (front-end, comm hook,
+        # divide factor) built in float32, which every rank builds in the same order.
+        measure = case.dtype == "bfloat16"
         if case.front_end == "fsdp2":
             from torch_impl.fsdp import shard_fsdp2
 
-            reference = BilinearLM.from_numpy(case.params, dtype)
             model = shard_fsdp2(
                 module, world_size=self.world_size, divide_factor=case.fsdp_divide_factor
             )
+            if measure:
+                return _Wrapped(model, self._probed_twin(case), None)
+            reference = BilinearLM.from_numpy(case.params, dtype)
             return _Wrapped(model, probe_reduction(model, reference, probe_inputs), None)
         model = DistributedDataParallel(module)
         state = None
         if hooked:
             state = PostnormState(rank=self.rank, world_size=self.world_size)
             model.register_comm_hook(state, sum_and_carry_hook)
+        if measure:
+            return _Wrapped(model, self._probed_twin(case), state)
         return _Wrapped(model, probe_ddp(model, probe_inputs), state)
+
+    def _probed_twin(self, case: UpdateCase) -> ReductionPath:
+        """The reduce factor of `case`'s wrapper built in PROBE_DTYPE (cached like any other)."""
+        return self.get(dataclasses.replace(case, dtype=PROBE_DTYPE)).reduction
 
 
 def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) -> CaseOutput:

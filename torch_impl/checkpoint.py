@@ -156,6 +156,9 @@ def _commit(staging: Path, directory: Path) -> None:
 
 
 def _partial_record(partial: PartialAccumulation) -> dict[str, Any]:
+    # Python floats (float64) and ints, whatever the params' dtype: the partial d, loss sum and
+    # counts are saved exactly (torch.save pickles them bit for bit), so a resumed postnorm
+    # update carries the same D as the uninterrupted one, bf16 params included.
     return {
         "strategy": partial.strategy,
         "microbatches_done": partial.microbatches_done,

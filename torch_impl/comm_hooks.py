@@ -62,7 +62,7 @@ class PostnormState:
         """Every rank's carried values from the last reduction; each reduction's are read once.
 
         Reading once is what keeps a count from going stale: a second update that forgot to
-        arm fails here instead of silently reusing the first update's D (BUGS.md stale-count,
+        arm fails here instead of silently reusing the first update's D (docs/bugs.md stale-count,
         torchtune#1917).
         """
         if self.received is None:
@@ -83,6 +83,8 @@ def sum_and_carry_hook(
     if values is None:
         payload = buffer
     else:
+        # Limbs of the bucket's own dtype (float64, float32 or bf16): d stays exact in any of
+        # them, where d itself in a bf16 bucket would round past 256 (float32: past 2^24).
         extras = encode_slots(values, state.rank, state.world_size, buffer.dtype)
         payload = torch.cat([buffer, extras])
         state.pending = None  # consumed: the next update must arm again

@@ -4,7 +4,7 @@ The postnorm strategy sends the denominator d (and, for metrics, the loss sum an
 token count) inside the gradient bucket's own all-reduce, so normalization costs no extra
 collective. The bucket has the parameters' dtype, and a count in float32 is exact only up to
 :math:`2^{24}` (bf16: 256), so a 16M-token global batch would be silently miscounted if d
-were summed in the bucket dtype (BUGS.md, float32-count). Two steps keep it exact:
+were summed in the bucket dtype (docs/bugs.md, float32-count). Two steps keep it exact:
 
 1. *Limbs.* A float64 value x is split into K parts of the bucket dtype,
    :math:`x = h_1 + h_2 + \dots + h_K`, with :math:`h_1` = x rounded to the dtype,

@@ -9,7 +9,7 @@ A data-parallel wrapper turns the per-rank gradients :math:`g_r` into
 with reduce factor f = R when it averages (DDP, FSDP's default, ``pmean``) and f = 1 when it
 sums (a SUM comm hook, FSDP with ``set_gradient_divide_factor(1.0)``). precount backpropagates
 :math:`(\sum_t a_t l_t)\, s / D`, which is right exactly when s = f. Frameworks differ and
-wrappers stack (BUGS.md: missing-world-size, transformers#37474; double-world-size,
+wrappers stack (docs/bugs.md: missing-world-size, transformers#37474; double-world-size,
 liquid-finetune#38 and transformers#48690), so the step takes s from this probe.
 
 The probe runs one backward pass through the wrapper with the same inputs on every rank and

@@ -7,7 +7,7 @@ The objective of one optimizer update over R ranks and M microbatches is
     L = \frac{\sum_t a_t\, l_t}{D}, \qquad D = \sum_{\text{microbatches}} d
 
 where :math:`l_t` is the token's cross-entropy, :math:`a_t` a weight computable inside the
-microbatch and :math:`d` the microbatch's share of the denominator (DESIGN.md, "The
+microbatch and :math:`d` the microbatch's share of the denominator (docs/contract.md, "The
 normalization contract"). A scheme is a name plus two pure functions, in the spirit of optax's
 ``GradientTransformation``; ``fixed_denominator`` replaces the sum of d when D is fixed before
 the batch is seen (``sum``: D = 1; ``constant`` with an explicit normalizer C: D = C).
@@ -33,9 +33,12 @@ class WeightingScheme(NamedTuple):
     """A scheme as pure functions of one microbatch."""
 
     name: str
-    #: a_t for every token, float64 [B, T]; exactly 0 where the target is ignored.
+    #: a_t for every token, float64 [B, T]; exactly 0 where the target is ignored. Built from
+    #: the labels and weights alone, never from the model, so the params' dtype (bf16 too)
+    #: cannot round it.
     token_weights: Callable[[TokenBatch], torch.Tensor]
-    #: d, this microbatch's contribution to D (float64).
+    #: d, this microbatch's contribution to D (float64: counts come from integer sums and are
+    #: exact; weight sums are float64 sums of the float64 weights).
     denominator: Callable[[TokenBatch], float]
     #: D for the whole update when it is not the sum of d.
     fixed_denominator: float | None = None
@@ -156,7 +159,7 @@ SCHEMES: dict[str, Callable[[], WeightingScheme]] = {
 
 
 def get_scheme(scheme: str | WeightingScheme) -> WeightingScheme:
-    """A scheme by name (the names of DESIGN.md); a WeightingScheme passes through."""
+    """A scheme by name (the names of docs/contract.md); a WeightingScheme passes through."""
     if isinstance(scheme, WeightingScheme):
         return scheme
     try:
@@ -175,10 +178,23 @@ def global_denominator(scheme: WeightingScheme, rank_denominators: list[float]) 
     return math.fsum(rank_denominators)
 
 
+def accumulation_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype in which sums of weights, loss sums and divisions by D are done: float64.
+
+    Whatever the params' dtype: a weight sum or a count rounded to bf16 (8 significant bits)
+    is wrong past 256, to float32 past 2^24 (docs/bugs.md float32-count). float64 is exact for
+    integers to 2^53 and is there on CPU and CUDA; MPS has no float64, so there float32 is the
+    best available (exact counts to 2^24, weight sums to 6e-8 relative).
+    """
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 class MicrobatchLoss(NamedTuple):
     """What one microbatch contributes to the update."""
 
-    #: sum_t a_t l_t, differentiable, in the model's dtype.
+    #: sum_t a_t l_t, differentiable, in ``accumulation_dtype`` (float64 on CPU) whatever the
+    #: model's dtype: the backward then rounds each token's seed a_t s / D to the model's
+    #: dtype once, after the division, instead of rounding a_t, s / D and their product.
     weighted_sum: torch.Tensor
     #: d (float64).
     denominator: float
@@ -187,26 +203,38 @@ class MicrobatchLoss(NamedTuple):
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """l_t = logsumexp(z_t) - z_t[y_t], exactly 0 where y_t = IGNORE_INDEX; [B, T]."""
+    r"""l_t = logsumexp(z_t) - z_t[y_t], exactly 0 where y_t = IGNORE_INDEX; [B, T].
+
+    Computed in float32 at least: logits of a bf16 model are upcast first, as Hugging Face's
+    ``logits.float()`` does. In bf16 the log-softmax and its backward would round every
+    :math:`l_t` and every :math:`p_t` to 8 significant bits; upcast, only the logits
+    themselves carry bf16's rounding. float64 logits stay float64.
+    """
+    upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return cross_entropy(
-        logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
+        upcast.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=IGNORE_INDEX
     ).view_as(targets)
 
 
 def microbatch_loss(
     model: nn.Module, batch: TokenBatch, scheme: WeightingScheme, vocab_size: int
 ) -> MicrobatchLoss:
-    """Forward one microbatch and return (sum of a_t l_t, d, valid tokens).
+    r"""Forward one microbatch and return :math:`(\sum_t a_t l_t,\ d)` and its valid tokens.
 
     The batch is validated first, so a bad token fails with its rank, microbatch, row and
-    position rather than inside ``F.cross_entropy``.
+    position rather than inside ``F.cross_entropy``. a_t and d are float64 whatever the
+    model's dtype (``WeightingScheme`` builds them from the labels alone), and the weighted sum
+    is taken in ``accumulation_dtype``: with bf16 params, a_t rounded to bf16 would already
+    move a soft weight by up to :math:`2^{-9}`, and the sum of a_t l_t logged for metrics would
+    carry bf16's error.
     """
     batch.validate(vocab_size)
     logits = model(batch.inputs)
     losses = token_losses(logits, batch.targets)
-    weights = scheme.token_weights(batch).to(losses.dtype)
+    acc = accumulation_dtype(losses.device)
+    weights = scheme.token_weights(batch).to(device=losses.device, dtype=acc)
     return MicrobatchLoss(
-        weighted_sum=(weights * losses).sum(),
+        weighted_sum=(weights * losses.to(acc)).sum(),
         denominator=scheme.denominator(batch),
         valid_tokens=int(batch.valid.sum()),
     )

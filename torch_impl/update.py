@@ -22,7 +22,13 @@ postnorm
     every rank's d in the same all-reduce (``torch_impl.comm_hooks``); divide by D afterwards.
 
 Then clipping by the global norm of the fully accumulated, fully reduced gradient, never per
-microbatch (BUGS.md clip-per-microbatch, transformers#986), and the optimizer step.
+microbatch (docs/bugs.md clip-per-microbatch, transformers#986), and the optimizer step.
+
+Whatever the params' dtype (float64, float32, bf16), the numbers that make D never take it:
+counts are ints, d, D and the loss sums float64 (``schemes.accumulation_dtype``), carried
+exactly across ranks (float64 slots, or limbs in the bucket dtype), and the division by D is
+done in float64 before the result is cast: precount's seed s / D, postnorm's G / D. Only the
+gradients themselves, and what the optimizer does with them, live in the params' dtype.
 
 An update can also stop inside its accumulation window (``accumulate_partial``) and continue
 later, in fresh processes, from a ``PartialAccumulation`` plus the restored local ``.grad``
@@ -47,7 +53,12 @@ from torch_impl.comm_hooks import PostnormState
 from torch_impl.exact_carry import all_ranks_values
 from torch_impl.model import _full
 from torch_impl.partial import PartialAccumulation, ResumeMismatchError, Strategy, starting_point
-from torch_impl.schemes import WeightingScheme, global_denominator, microbatch_loss
+from torch_impl.schemes import (
+    WeightingScheme,
+    accumulation_dtype,
+    global_denominator,
+    microbatch_loss,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,10 +117,13 @@ def _parameters(model: nn.Module) -> Iterator[torch.Tensor]:
     return (p for p in model.parameters() if p.requires_grad)
 
 
-def _inverse_or_zero(denominator: float) -> float:
-    # D = 0 only when no token of the update carries weight; then every a_t = 0, the
-    # objective is the empty sum and its gradient is zero: scale by 0, never divide 0/0.
-    return 0.0 if denominator == 0 else 1.0 / denominator
+def _over_or_zero(numerator: float, denominator: float) -> float:
+    """numerator / D in float64 (one rounding); 0 when D = 0.
+
+    D = 0 only when no token of the update carries weight; then every a_t = 0, the objective
+    is the empty sum and its gradient is zero: scale by 0, never divide 0/0.
+    """
+    return 0.0 if denominator == 0 else numerator / denominator
 
 
 def _validate(microbatches: Sequence[TokenBatch], vocab_size: int) -> None:
@@ -125,7 +139,12 @@ def _precount_counts(
     start: PartialAccumulation,
     group: dist.ProcessGroup | None,
 ) -> tuple[PartialAccumulation, float]:
-    """The count collective of precount: every rank's (sum of d, valid targets), and D."""
+    """The count collective of precount: every rank's (sum of d, valid targets), and D.
+
+    Labels only, never the model: d and the counts are float64 here and cross ranks in float64
+    slots (``all_ranks_values``), whatever the params' dtype, so a bf16 or float32 model
+    cannot round D (counts are exact to 2^53, weight sums to float64's rounding).
+    """
     local_d = math.fsum(scheme.denominator(batch) for batch in microbatches)
     local_valid = sum(int(batch.valid.sum()) for batch in microbatches)
     counts = tuple(
@@ -158,6 +177,8 @@ def _backward_microbatches(
     weighted sum (precount's s / D; None: unnormalized, postnorm). For postnorm the hook is
     armed with this rank's totals over all M microbatches just before that last backward.
     """
+    # Python floats (float64) and ints: the running sums of d and of the loss never take the
+    # params' dtype; postnorm's hook then carries them exactly in any bucket dtype.
     d, loss, valid = start.local_denominator, start.local_loss_sum, start.local_valid_tokens
     last = len(microbatches) - 1
     for step in range(start.microbatches_done, stop):
@@ -169,6 +190,8 @@ def _backward_microbatches(
             if hook_state is not None and step == last:
                 # Known before the last backward: the hook reads them while reducing.
                 hook_state.arm(d, loss, valid)
+            # weighted_sum is float64 (accumulation_dtype) and so is scale = s / D: the product
+            # is rounded to the params' dtype once, token by token, in the backward pass.
             (out.weighted_sum if scale is None else out.weighted_sum * scale).backward()
     return dataclasses.replace(
         start,
@@ -197,7 +220,8 @@ def accumulate_precount(
     _validate(microbatches, vocab_size)
     start = starting_point(resume, "precount", len(microbatches))
     start, D = _precount_counts(microbatches, scheme, start, group)
-    scale = reduce_factor * _inverse_or_zero(D)
+    # s / D in float64, never in the params' dtype: D past 2^24 (or 256 in bf16) would round.
+    scale = _over_or_zero(reduce_factor, D)
     done = _backward_microbatches(
         model,
         microbatches,
@@ -250,20 +274,35 @@ def accumulate_postnorm(
     D = global_denominator(scheme, list(denominators))
     with torch.no_grad():
         for param in _parameters(model):
-            if param.grad is None:
-                continue
-            # D = 0: every a_t was 0 and the sums are exact zeros; zero them, never 0/0.
-            # Dividing (not multiplying by 1/D) is one rounding, not two.
-            if D:
-                param.grad.div_(D)
-            else:
-                param.grad.zero_()
+            if param.grad is not None:
+                _divide_exactly(param.grad, D)
     return Accumulated(
         rank_valid_tokens=tuple(int(n) for _, _, n in per_rank),
         rank_loss_sums=tuple(s for _, s, _ in per_rank),
         rank_denominators=denominators,
         global_denominator=D,
     )
+
+
+def _divide_exactly(grad: torch.Tensor, D: float) -> None:
+    """grad <- grad / D, the quotient taken in ``accumulation_dtype`` and then cast, in place.
+
+    Not ``grad.div_(D)``: for a float32 gradient torch casts the Python scalar D to float32
+    first, so an odd D past 2^24 (dedup-seed's 25165513) would divide as 25165512 (about
+    half the entries of its gradient come out different), and a bf16 gradient fares no
+    better. Here the exact float64 D divides the upcast gradient (one float64 rounding, and
+    dividing rather than multiplying by 1/D keeps it one) and only the quotient is cast to the
+    gradient's dtype. D = 0: every a_t was 0 and the sums are exact zeros; zero them, never
+    0/0.
+    """
+    if not D:
+        grad.zero_()
+        return
+    acc = accumulation_dtype(grad.device)
+    if grad.dtype == acc:
+        grad.div_(D)  # already float64: D is not rounded, and no copy is needed
+    else:
+        grad.copy_(grad.to(acc).div_(D))
 
 
 def accumulate_partial(
@@ -298,7 +337,8 @@ def accumulate_partial(
         if reduce_factor is None:
             raise ValueError("precount needs its reduce_factor s for a partial update too")
         start, D = _precount_counts(microbatches, scheme, start, group)
-        scale = reduce_factor * _inverse_or_zero(D)
+        # As in accumulate_precount: s / D in float64, whatever the params' dtype.
+        scale = _over_or_zero(reduce_factor, D)
     elif strategy != "postnorm":
         raise ValueError(f"strategy must be 'precount' or 'postnorm', got {strategy!r}")
     return _backward_microbatches(
@@ -314,26 +354,43 @@ def accumulate_partial(
 
 
 def global_grad_norm(model: nn.Module) -> float:
-    """L2 norm over every parameter's (reduced) gradient."""
+    r"""L2 norm over every parameter's (reduced) gradient, :math:`\sqrt{\sum_p \|g_p\|^2}`.
+
+    Accumulated in ``accumulation_dtype`` (float64 on CPU): ``get_total_norm`` on bf16
+    gradients would return a bf16 norm, 8 significant bits, for the log and the clip factor.
+    Sharded (FSDP2) gradients stay DTensors through the upcast; their norm is all-reduced.
+    """
     grads = [p.grad for p in _parameters(model) if p.grad is not None]
     if not grads:
         return 0.0
-    return float(_full(torch.nn.utils.get_total_norm(grads)))
+    acc = accumulation_dtype(grads[0].device)
+    return float(_full(torch.nn.utils.get_total_norm([g.detach().to(acc) for g in grads])))
 
 
 def clip_and_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
 ) -> tuple[float, float]:
-    """Clip the reduced gradient by its global norm (torch convention), then step.
+    r"""Clip the reduced gradient by its global norm (torch convention), then step.
 
-    ``clip_grad_norm_`` multiplies by min(1, c / (norm + 1e-6)), unlike optax, which scales
-    only when norm > c; crosscheck's ``clip_convention="torch"`` models this one.
+    The factor is ``clip_grad_norm_``'s, :math:`\min(1, c / (\|g\| + 10^{-6}))`, unlike
+    optax, which scales only when :math:`\|g\| > c`; crosscheck's ``clip_convention="torch"``
+    models this one. The norm and the factor are float64 (``global_grad_norm``) and the factor
+    multiplies each gradient in the gradient's own dtype (torch keeps a Python scalar in
+    float32 for a bf16 tensor), so a bf16 model is not clipped by a bf16-rounded norm. For
+    float64 gradients this is ``clip_grad_norm_``'s arithmetic, bit for bit.
     Returns (norm before clipping, norm after).
     """
-    if max_grad_norm is None:
-        norm = global_grad_norm(model)
-    else:
-        norm = float(_full(torch.nn.utils.clip_grad_norm_(list(_parameters(model)), max_grad_norm)))
+    norm = global_grad_norm(model)
+    if max_grad_norm is not None:
+        # Written as clip_grad_norm_ computes it (Tensor.__rtruediv__ is a reciprocal, then a
+        # product), so float64 gradients are clipped bit for bit as torch clips them.
+        factor = max_grad_norm * (1.0 / (norm + 1e-6))
+        # `not factor >= 1` also multiplies by a NaN factor: a NaN norm must not pass silently.
+        if not factor >= 1.0:
+            with torch.no_grad():
+                for param in _parameters(model):
+                    if param.grad is not None:
+                        param.grad.mul_(factor)
     clipped = global_grad_norm(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -362,7 +419,7 @@ def metrics(
         rank_loss_sums=accumulated.rank_loss_sums,
         rank_denominators=accumulated.rank_denominators,
         global_denominator=D,
-        objective=math.fsum(accumulated.rank_loss_sums) * _inverse_or_zero(D),
+        objective=_over_or_zero(math.fsum(accumulated.rank_loss_sums), D),
         grad_norm=grad_norm,
         clipped_grad_norm=clipped_grad_norm,
     )

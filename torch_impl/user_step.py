@@ -59,6 +59,17 @@ from torch_impl.model import PARAM_NAMES, BilinearLM
 #: Error kinds of a RankOutcome, most telling first: the harness reports the first it finds.
 RAISED, RESULT, TIMEOUT, PEER = "raised", "result", "timeout", "peer"
 _POLL_S = 0.01
+_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _take_logged_denominator() -> float | None:
+    """What the step passed to ``crosscheck.log_denominator`` since the last call, or None.
+
+    Read from the module the step imported, never imported here: torch_impl does not depend
+    on the harness, and a step that logs nothing need not import it either.
+    """
+    protocol = sys.modules.get("crosscheck.protocol")
+    return None if protocol is None else protocol.take_logged_denominator()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +83,8 @@ class UserStepJob:
     #: float64 ``embed`` [V, H] and ``unembed`` [H, V].
     params: Mapping[str, np.ndarray]
     accum_steps: int
+    #: The dtype of the model handed to the step ("float64", "float32" or "bfloat16").
+    dtype: str = "float64"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,6 +114,8 @@ class RankOutcome:
     grads: dict[str, np.ndarray] | None
     error: str = ""
     kind: str = ""
+    #: What the step passed to ``crosscheck.log_denominator`` on this rank (its last value).
+    logged_denominator: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +311,8 @@ def run_job(step: LoadedStep, job: UserStepJob, rank: int, world_size: int) -> R
     """Call the step once on this rank and read its gradient; never raises."""
     try:
         microbatches = _microbatches(job, rank, world_size)
-        first = BilinearLM.from_numpy(job.params)
+        dtype = _DTYPES[job.dtype]
+        first = BilinearLM.from_numpy(job.params, dtype)
         optimizer = torch.optim.SGD(first.parameters(), lr=1.0) if step.takes_optimizer else None
         kwargs = {"optimizer": optimizer} if optimizer is not None else {}
         if step.factory:
@@ -304,13 +320,14 @@ def run_job(step: LoadedStep, job: UserStepJob, rank: int, world_size: int) -> R
             unused = [first]
 
             def model_factory() -> BilinearLM:
-                return unused.pop() if unused else BilinearLM.from_numpy(job.params)
+                return unused.pop() if unused else BilinearLM.from_numpy(job.params, dtype)
 
             model: Any = model_factory
         else:
             model = DistributedDataParallel(first)
     except Exception as error:
         return RankOutcome(rank, None, f"preparing the step failed: {error!r}", _error_kind(error))
+    _take_logged_denominator()  # forget what an earlier job logged
     try:
         returned = step.fn(model, microbatches, **kwargs)
     except (Exception, SystemExit) as error:
@@ -328,7 +345,8 @@ def run_job(step: LoadedStep, job: UserStepJob, rank: int, world_size: int) -> R
             )
         model = returned
     try:
-        return RankOutcome(rank, read_grads(model, job.params, optimizer))
+        grads = read_grads(model, job.params, optimizer)
+        return RankOutcome(rank, grads, logged_denominator=_take_logged_denominator())
     except StepResultError as error:
         return RankOutcome(rank, None, f"after the step: {error}", RESULT)
     except Exception as error:  # gathering a sharded gradient failed: a collective

@@ -23,7 +23,7 @@ from crosscheck.runners.jax_runner import _worker_env
 
 WORKER_MODULE = "crosscheck.runners.jax_bugs_worker"
 WORKER_TIMEOUT_S = 300.0
-DTYPES = ("float64", "float32")
+DTYPES = ("float64", "float32", "bfloat16")
 
 Outcome = BugOutput | BaseException
 
@@ -74,9 +74,9 @@ def _run_worker(
 def run(runs: list[BugRun], *, timeout_s: float = WORKER_TIMEOUT_S) -> dict[BugRun, Outcome]:
     """Every JAX bug run -> its BugOutput, or the exception that says why it has none.
 
-    One worker process per dtype (float64 with x64, float32 without), bounded by `timeout_s`
-    each. A run that is not for JAX, or of another dtype, gets a ValueError without starting
-    anything.
+    One worker process per dtype (float64 with x64, float32 and bfloat16 without), each
+    bounded by `timeout_s`. A run that is not for JAX, or of another dtype, gets a ValueError
+    without starting anything.
     """
     outcomes: dict[BugRun, Outcome] = {}
     by_dtype: dict[str, list[BugRun]] = {}

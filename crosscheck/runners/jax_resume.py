@@ -48,8 +48,8 @@ def resume_problem(case: ResumeCase) -> str:
         )
     if case.scheme not in INTENDED or case.strategy not in STRATEGIES:
         return f"{case.describe()}: resume runs intended schemes with precount or postnorm"
-    if case.dtype not in ("float64", "float32"):
-        return f"{case.describe()}: dtype {case.dtype!r} is not float64 or float32"
+    if case.dtype not in ("float64", "float32", "bfloat16"):
+        return f"{case.describe()}: dtype {case.dtype!r} is not float64, float32 or bfloat16"
     if max(case.world_size, case.resume_world_size) > 8:
         return f"{case.describe()}: the worker has 8 devices"
     return ""
@@ -124,8 +124,10 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
 def _optimizer(settings: TrainSettings):
     import optax
 
-    c = settings.optimizer
-    return optax.adamw(c.learning_rate, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay)
+    spec = settings.optimizer_spec()
+    if spec.pop("name") == "sgd":
+        return optax.sgd(**spec)
+    return optax.adamw(**spec)
 
 
 def _config(strategy: str, settings: TrainSettings, optimizer):
@@ -146,15 +148,17 @@ def _problem(fixture_name: str, R: int, M: int, dtype: str):
 
     fixture = builtin_fixture(fixture_name)
     global_batch = {k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS}
-    laid_out = jax_impl.lay_out_global_batch(
-        global_batch, R, M, vocab_size=fixture.vocab_size, weights_dtype=dtype
-    )
+    # The weights in the denominator dtype (the default), not the params' `dtype`.
+    laid_out = jax_impl.lay_out_global_batch(global_batch, R, M, vocab_size=fixture.vocab_size)
     params = jax_impl.params_from_numpy(fixture.params(), dtype)
     return laid_out, params, batch_fingerprint(global_batch)
 
 
 def _numpy(params) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in params.items()}
+    """Params as numpy; bfloat16 widened to float32 (exact), so that the parent needs no
+    bfloat16 type to read them."""
+    arrays = {k: np.asarray(v) for k, v in params.items()}
+    return {k: v.astype(np.float32) if v.dtype.name == "bfloat16" else v for k, v in arrays.items()}
 
 
 def _checkpoint_dir(root: str, index: int) -> Path:

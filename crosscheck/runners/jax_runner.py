@@ -35,21 +35,39 @@ OnDone = Callable[[Case, CaseOutput | BaseException], None]
 IN_PROCESS = ("jax-pmap", "jax-shard_map", "jax-jit")
 WORKER_TIMEOUT_S = 300.0
 MULTIPROCESS_SIZES = (2, 4)
+#: Params' dtypes every JAX front-end runs. bfloat16 runs without x64: the cross-entropy, the
+#: loss sums, d, D and g / D are float32 there whatever the params' dtype
+#: (`jax_impl.denominators`); only params, gradients and optimizer state are bfloat16.
+DTYPES = ("float64", "float32", "bfloat16")
 
 
 class JaxCaseError(RuntimeError):
     """A case the JAX worker could not run; the message carries the worker's traceback."""
 
 
-def supports(case: Case) -> bool:
-    if case.dtype not in ("float64", "float32"):
-        return False
+def why_unsupported(case: Case) -> str:
+    """Why the JAX reference does not run `case`, or '' when it does. One sentence per reason,
+    without the case's coordinates: the harness groups skips by it."""
+    if case.dtype not in DTYPES:
+        return f"the JAX reference runs {', '.join(DTYPES)}, not {case.dtype}"
     accidental = case.scheme in ("rank_mean", "microbatch_mean")
     if case.impl == "jax-multiprocess":
-        return case.world_size in MULTIPROCESS_SIZES and not accidental
+        if case.world_size not in MULTIPROCESS_SIZES:
+            sizes = " and ".join(map(str, MULTIPROCESS_SIZES))
+            return f"jax-multiprocess launches {sizes} processes, not {case.world_size}"
+        if accidental:
+            return "jax-multiprocess runs the intended schemes only"
+        return ""
     if case.impl == "jax-jit" and accidental:
-        return False  # global view: no per-rank mean to take by accident
-    return case.world_size <= 8
+        return "jax-jit is a global view: there is no per-rank mean to take by accident"
+    if case.world_size > 8:
+        return f"the JAX worker has 8 devices, not {case.world_size}"
+    return ""
+
+
+def supports(case: Case) -> bool:
+    """Whether the JAX reference runs `case` (`why_unsupported` says why not)."""
+    return not why_unsupported(case)
 
 
 #: What the zygote imports once for every worker it forks (see `jax_impl.zygote`).
@@ -171,7 +189,6 @@ def _run_multiprocess(
     from jax_impl.launch import SMALL_PROGRAM_XLA_FLAGS
     from jax_impl.multiprocess import launch_multiprocess
 
-    c = settings.optimizer
     batches = sorted({(case.fixture, case.accum_steps) for case in cases})
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-mp-") as tmp:
         work = Path(tmp)
@@ -187,14 +204,7 @@ def _run_multiprocess(
             "x64": dtype == "float64",
             "schemes": sorted({case.scheme for case in cases}),
             "variants": [["precount", "pmean"], ["postnorm", "psum"]],
-            "optimizer": {
-                "name": "adamw",
-                "learning_rate": c.learning_rate,
-                "b1": c.b1,
-                "b2": c.b2,
-                "eps": c.eps,
-                "weight_decay": c.weight_decay,
-            },
+            "optimizer": settings.optimizer_spec(),
             "num_updates": settings.num_updates,
             "max_grad_norm": settings.max_grad_norm,
         }

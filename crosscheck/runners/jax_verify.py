@@ -92,7 +92,7 @@ def _collect(
         data = _read(progress / f"{index}.pkl")
         if data is not None:
             status, payload = pickle.loads(data)
-            outcomes[job] = VerifyOutput(payload) if status == "ok" else StepError(payload)
+            outcomes[job] = VerifyOutput(*payload) if status == "ok" else StepError(payload)
         elif failure is not None:
             outcomes[job] = _unfinished(job, step, doing, timed_out, timeout_s, str(failure))
         else:  # exited cleanly without this result: a bug of the worker, said as such

@@ -9,9 +9,10 @@ one shape can reuse the user's compiled code.
 Results go to the progress folder as they come, never at the end only: the harness kills this
 process when it outlives the time limit, and the jobs that finished before the hang must keep
 their results. ``current`` names what the worker is doing ("import" or a job's index);
-``<index>.pkl`` holds a finished job's ``("ok", {name: float64 array})`` or ``("error",
-message)``; ``import-error`` holds the message when the step could not be imported. Every
-file is written under a temporary name and renamed, so the harness never reads half of one.
+``<index>.pkl`` holds a finished job's ``("ok", ({name: float64 array}, logged
+denominator or None))`` or ``("error", message)``; ``import-error`` holds the message when
+the step could not be imported. Every file is written under a temporary name and renamed, so
+the harness never reads half of one.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from crosscheck.fixtures import Fixture
-from crosscheck.protocol import VerifyJob
+from crosscheck.protocol import VerifyJob, take_logged_denominator
 
 PARAM_NAMES = ("embed", "unembed")
 _LIBRARY_DIRS = tuple(
@@ -160,7 +161,8 @@ def _arguments(job: VerifyJob) -> tuple[Any, Any, dict[str, np.ndarray], Any]:
         "segment_ids": np.array(laid_out.segment_ids),
         "weights": np.array(laid_out.weights, dtype=np.float64),
     }
-    params = params_from_numpy(fixture.params(), jnp.float64)  # fresh: a step may donate them
+    # Fresh: a step may donate them. float64 unless the job hands the step another dtype.
+    params = params_from_numpy(fixture.params(), jnp.dtype(job.dtype))
     return params, _apply_fn(*fixture.embed.shape), batch, _mesh(job.world_size)
 
 
@@ -221,6 +223,7 @@ def run_job(step: Callable[..., Any], spec: str, job: VerifyJob, module_file: st
         return "error", f"{where}: cannot set up the job: {type(error).__name__}: {error}"
     with_optimizer = _takes_optimizer(step)
     kwargs = {"optimizer": _optimizer()} if with_optimizer else {}
+    take_logged_denominator()  # forget what an earlier job logged
     try:
         out = step(params, apply_fn, batch, mesh, **kwargs)
     except (Exception, SystemExit) as error:  # sys.exit in a step is the step's failure too
@@ -235,7 +238,7 @@ def run_job(step: Callable[..., Any], spec: str, job: VerifyJob, module_file: st
         return "error", f"{where}: reading its result raised {describe_error(error, module_file)}"
     if with_optimizer:  # optax.sgd(1.0): updates = -gradient
         grads = {name: -value for name, value in grads.items()}
-    return "ok", grads
+    return "ok", (grads, take_logged_denominator())
 
 
 def main(argv: Sequence[str]) -> int:

@@ -1,7 +1,10 @@
 """The JAX side of a harness run, in its own process: ``python -m crosscheck.runners.jax_worker``.
 
 x64 is global in JAX and the fake-device count is fixed at import, so the in-process front-ends
-(pmap, shard_map, global jit) run here, one process per dtype, with eight CPU devices. Each
+(pmap, shard_map, global jit) run here, one process per dtype, with eight CPU devices: x64 on
+for float64, off for float32 and bfloat16. The dtype is the params'; the soft weights are laid
+out in the denominator dtype (float64 under x64, else float32), never in bfloat16
+(`jax_impl.denominators`). Each
 front-end and world size builds one sweep, a single compiled program computing every strategy
 side by side with the scheme as a traced index; every fixture, layout and scheme of that
 world size goes through it. Output is plain numpy, pickled, judged by the parent.
@@ -60,6 +63,13 @@ def _sweep(impl: str, configs: list, world_size: int):
     )
 
 
+def _host(x) -> np.ndarray:
+    """A jax array as numpy; bfloat16 widened to float32 (exact), so that the parent, which
+    never imports JAX, needs no bfloat16 type to read it."""
+    value = np.asarray(x)
+    return value.astype(np.float32) if value.dtype.name == "bfloat16" else value
+
+
 def _outputs(R: int, history: list) -> CaseOutput:
     """One config's consecutive UpdateResults as a CaseOutput."""
     metrics = []
@@ -79,8 +89,8 @@ def _outputs(R: int, history: list) -> CaseOutput:
                 )
             )
     return CaseOutput(
-        grads={k: np.asarray(v) for k, v in history[0].grads.items()},
-        params=[{k: np.asarray(v) for k, v in out.params.items()} for out in history],
+        grads={k: _host(v) for k, v in history[0].grads.items()},
+        params=[{k: _host(v) for k, v in out.params.items()} for out in history],
         metrics=metrics,
     )
 
@@ -93,10 +103,8 @@ def run_group(
 
     import jax_impl
 
-    c = settings.optimizer
-    optimizer = optax.adamw(
-        c.learning_rate, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay
-    )
+    spec = settings.optimizer_spec()
+    optimizer = optax.sgd(**spec) if spec.pop("name") == "sgd" else optax.adamw(**spec)
     variants = _variants(impl)
     names = list(variants)
     configs = [
@@ -115,8 +123,8 @@ def run_group(
                 {k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS},
                 world_size,
                 M,
+                # weights_dtype left to its default, the denominator dtype: not the params'.
                 vocab_size=fixture.vocab_size,
-                weights_dtype=dtype,
             ),
             jax_impl.params_from_numpy(fixture.params(), dtype),
         )

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # torch is imported only when something is launched
 LAUNCH_TIMEOUT_S = 300.0
 #: A collective whose peer died fails on its own after this.
 COLLECTIVE_TIMEOUT_S = 120.0
-DTYPES: tuple[str, ...] = ("float64", "float32")
+DTYPES: tuple[str, ...] = ("float64", "float32", "bfloat16")
 
 
 def _problem(bug_run: BugRun) -> str:

@@ -5,7 +5,10 @@ its case list, makes one job per world size that launches once (bounded by a tim
 are forked from a fork server that imported torch, see `torch_impl.launcher`), and turns each
 rank's plain numpy output into a `CaseOutput`. The accidental schemes are produced the way real
 loops produce them: F.cross_entropy(reduction="mean") per microbatch under plain DDP averaging
-(`mean_loss`), which is rank_mean at M = 1 and microbatch_mean at M > 1.
+(`mean_loss`), which is rank_mean at M = 1 and microbatch_mean at M > 1. Every dtype of the
+matrix runs: float64, float32 and bfloat16 (a bf16 model whose gradients DDP all-reduces in
+bf16 buckets on gloo, FSDP2 reduce-scatters in bf16; counts, weight sums and the division by D
+stay float64 in torch_impl whatever the params' dtype).
 
 `run_resume` checks checkpoint resume: a first round of launches (one per world size) stops
 each case's run and saves a checkpoint, a second round in fresh processes (one launch per
@@ -37,6 +40,9 @@ from crosscheck.fixtures import BATCH_KEYS
 from crosscheck.schedule import Job
 
 IMPLS: dict[str, str] = {"torch-ddp": "ddp", "torch-fsdp2": "fsdp2"}
+#: The params' dtypes of torch_impl.cases.DTYPES (repeated so that choosing cases does not
+#: import torch).
+DTYPES: tuple[str, ...] = ("float64", "float32", "bfloat16")
 LAUNCH_TIMEOUT_S = 300.0
 COLLECTIVE_TIMEOUT_S = 120.0
 
@@ -44,14 +50,26 @@ OnDone = Callable[[Case, CaseOutput | BaseException], None]
 OnResumeDone = Callable[[ResumeCase, ResumeOutput | BaseException], None]
 
 
-def supports(case: Case) -> bool:
-    """What the torch reference runs: FSDP2 has no comm hook (precount only); the mean-loss
-    loop makes rank_mean only where a rank is one microbatch."""
-    if case.scheme == "rank_mean" and case.accum_steps != 1:
-        return False
+def why_unsupported(case: Case) -> str:
+    """Why the torch reference does not run `case`, or '' when it does: FSDP2 has no comm hook
+    (precount only); the mean-loss loop makes rank_mean only where a rank is one microbatch.
+    One sentence per reason, without the case's coordinates: the harness groups skips by it."""
+    # The widest reason first (dtype, then implementation, then scheme and layout), so that a
+    # refused plan names the reason that matters.
+    if case.dtype not in DTYPES:
+        return f"the torch reference runs {', '.join(DTYPES)}, not {case.dtype}"
+    if case.impl == "torch-fsdp2" and case.strategy == "postnorm":
+        return "FSDP2 has no comm hook, so postnorm does not run there: torch-fsdp2 runs precount"
     if case.impl == "torch-fsdp2" and case.strategy != "precount":
-        return False
-    return case.dtype in ("float64", "float32")
+        return "torch-fsdp2 runs precount only (the accidental schemes' loop runs on torch-ddp)"
+    if case.scheme == "rank_mean" and case.accum_steps != 1:
+        return "the torch mean-loss loop is rank_mean only at M = 1 (at M > 1 microbatch_mean)"
+    return ""
+
+
+def supports(case: Case) -> bool:
+    """Whether the torch reference runs `case` (`why_unsupported` says why not)."""
+    return not why_unsupported(case)
 
 
 def _update_case(case: Case, settings: TrainSettings):
@@ -59,7 +77,6 @@ def _update_case(case: Case, settings: TrainSettings):
     from torch_impl.optimizers import OptimizerSpec
 
     fixture = builtin_fixture(case.fixture)
-    config = settings.optimizer
     accidental = case.scheme in ("rank_mean", "microbatch_mean")
     return UpdateCase(
         label=case.describe(),
@@ -68,14 +85,7 @@ def _update_case(case: Case, settings: TrainSettings):
         scheme="token_mean" if accidental else case.scheme,
         strategy="mean_loss" if accidental else case.strategy,
         accum_steps=case.accum_steps,
-        optimizer=OptimizerSpec(
-            name="adamw",
-            learning_rate=config.learning_rate,
-            b1=config.b1,
-            b2=config.b2,
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        ),
+        optimizer=OptimizerSpec(**settings.optimizer_spec()),
         dtype=case.dtype,
         front_end=IMPLS[case.impl],
         num_updates=settings.num_updates,
@@ -185,7 +195,7 @@ def _resume_problem(case: ResumeCase) -> str:
         "microbatch_mean",
     ):
         return f"{case.describe()}: checkpoint resume runs intended schemes, precount or postnorm"
-    if case.dtype not in ("float64", "float32"):
+    if case.dtype not in DTYPES:
         return f"{case.describe()}: dtype {case.dtype} is not run by the torch reference"
     return ""
 

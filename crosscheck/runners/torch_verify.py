@@ -69,6 +69,8 @@ def _job_problem(job: VerifyJob) -> str:
     """Why this job cannot be laid out, or ''."""
     if job.world_size < 1 or job.accum_steps < 1:
         return "world_size and accum_steps must be >= 1"
+    if job.dtype not in ("float64", "float32", "bfloat16"):
+        return f"dtype must be float64, float32 or bfloat16, got {job.dtype!r}"
     try:
         num_rows = builtin_fixture(job.fixture).num_rows
     except ValueError as error:  # an unknown fixture: the message lists the known ones
@@ -91,6 +93,7 @@ def _user_job(job: VerifyJob) -> UserStepJob:
         batch={key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS},
         params={"embed": np.asarray(fixture.embed), "unembed": np.asarray(fixture.unembed)},
         accum_steps=job.accum_steps,
+        dtype=job.dtype,
     )
 
 
@@ -164,7 +167,7 @@ def _judge(
     disagreement = ranks_disagree(per_rank)
     if disagreement:
         return StepError(f"{job.describe()}: {disagreement}")
-    return VerifyOutput(grads=per_rank[0])
+    return VerifyOutput(grads=per_rank[0], logged_denominator=outcomes[0].logged_denominator)
 
 
 def _unfinished(

@@ -1,0 +1,171 @@
+"""`crosscheck verify` end to end on the things a precision-aware verdict adds: an explicit
+constant normalizer, the logged-denominator hook, bf16 params, and the strict judgement.
+
+Real processes (torch DDP on gloo, a JAX worker with 8 CPU devices); the steps are the
+examples (repository root) and tests/verify_steps.py (run from tests/, as a user's module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from crosscheck.schemes import Constant
+from crosscheck.verify import verify
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+#: One layout with both ranks and microbatches, R != M, on both default fixtures' shapes.
+ONE_LAYOUT = {"fixtures": ["packed"], "world_sizes": [2], "accum_steps": [4]}
+
+
+def test_constant_is_judged_with_its_own_normalizer(tmp_path):
+    with contextlib.chdir(TESTS):
+        report = verify(
+            "verify_steps:constant_normalizer",
+            framework="torch",
+            scheme=Constant(1000.0),
+            **ONE_LAYOUT,
+        )
+        assert report.ok, report.message()
+        assert report.scheme.fixed_denominator == 1000.0
+        assert "constant:1000 on fixtures packed" in report.message()
+        # The default constant counts every target slot (8 x 64 = 512): C = 1000 is a scale.
+        slots = verify(
+            "verify_steps:constant_normalizer", framework="torch", scheme="constant", **ONE_LAYOUT
+        )
+        assert not slots.ok and slots.best_match == "scale", slots.message()
+    path = tmp_path / "constant.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crosscheck",
+            "verify",
+            "--framework",
+            "torch",
+            "--step",
+            "verify_steps:constant_normalizer",
+            "--scheme",
+            "constant:1000",
+            "--fixtures",
+            "packed",
+            "--world-sizes",
+            "2",
+            "--accum",
+            "4",
+            "--json",
+            str(path),
+        ],
+        cwd=TESTS,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(path.read_text())["scheme"] == "constant:1000"
+
+
+def test_the_logged_denominator_names_what_the_gradient_cannot():
+    layouts = {"fixtures": ["packed"], "world_sizes": [2, 4], "accum_steps": [1, 2]}
+    with contextlib.chdir(TESTS):
+        logged = verify(
+            "verify_steps:averaged_grads_logged", framework="torch", scheme="token_mean", **layouts
+        )
+        unlogged = verify(
+            "verify_steps:averaged_grads_unlogged",
+            framework="torch",
+            scheme="token_mean",
+            **layouts,
+        )
+    assert logged.best_match == "missing-world-size", logged.message()
+    assert all(case.logged_denominator == 231 for case in logged.cases)  # packed's valid tokens
+    assert unlogged.best_match == "ambiguous", unlogged.message()
+    assert set(unlogged.explanations) == {"missing-world-size", "double-reduce-count"}
+    assert "crosscheck.log_denominator(D)" in unlogged.message()
+
+
+def test_bf16_params_are_judged_at_bf16_level_in_both_frameworks():
+    for framework, correct, buggy, named in (
+        (
+            "torch",
+            "examples.torch_torchtitan:step",
+            "examples.torch_nanogpt:step",
+            "microbatch-mean",
+        ),
+        ("jax", "examples.jax_token_weighted:step", "examples.jax_pmap_mean:step", "rank-mean"),
+    ):
+        layouts = {"fixtures": ["ragged"], "world_sizes": [2], "accum_steps": [1, 4]}
+        with contextlib.chdir(REPO):
+            ok = verify(
+                correct, framework=framework, scheme="token_mean", dtype="bfloat16", **layouts
+            )
+            bad = verify(
+                buggy, framework=framework, scheme="token_mean", dtype="bfloat16", **layouts
+            )
+        assert ok.ok and ok.level == "bfloat16", ok.message()
+        # bf16 arithmetic: errors of a few 1e-3, within the bf16 tolerance 2e-2 and above the
+        # float32 one (else the step did not compute in bf16).
+        assert 1e-5 < ok.max_rel_err <= 2e-2, ok.message()
+        assert not bad.ok and bad.best_match == named, bad.message()
+
+
+def test_strict_keeps_the_float64_judgement():
+    with contextlib.chdir(REPO):
+        report = verify(
+            "examples.torch_torchtitan:step",
+            framework="torch",
+            scheme="token_mean",
+            precision="float64",
+            **ONE_LAYOUT,
+        )
+    assert report.ok and report.level == "float64", report.message()
+    assert report.max_rel_err <= 1e-12  # the float64 tolerance: a handful of reductions
+
+
+def test_a_case_that_could_not_run_is_never_named_as_a_weighting():
+    """Nine cases match and one timed out: the run fails as an error, not as the intended
+    scheme's 'bug', and it gives no fix."""
+    from crosscheck.catalogue import builtin_fixture
+    from crosscheck.oracle import loss_and_grad
+    from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
+    from crosscheck.schemes import get_scheme
+    from crosscheck.verify import VerifyReport, judge
+
+    scheme = get_scheme("token_mean")
+    good = VerifyJob(fixture="packed", world_size=2, accum_steps=2)
+    grads = loss_and_grad(builtin_fixture("packed"), "token_mean", 2, 2).grads
+    hung = VerifyJob(fixture="ragged", world_size=2, accum_steps=2)
+    report = VerifyReport(
+        framework="torch",
+        step="my:step",
+        scheme=scheme,
+        cases=[
+            judge(good, scheme, VerifyOutput(grads)),
+            judge(hung, scheme, StepError("ragged R=2 M=2: did not finish within 10 s")),
+        ],
+    )
+    assert not report.ok and report.best_match == "error"
+    assert report.fix() == "" and "Fix:" not in report.message()
+    assert "Every case that ran matches; 1 could not be run or read" in report.message()
+    assert report.to_json()["diagnosis"]["best_match"] == "error"
+
+
+def test_the_cli_takes_strict_and_refuses_a_contradiction(tmp_path):
+    def verify_cli(*flags: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "crosscheck", "verify", "--framework", "torch"]
+        command += ["--step", "examples.torch_hf_loss:step", "--scheme", "token_mean"]
+        command += ["--fixtures", "packed", "--world-sizes", "2", "--accum", "4", *flags]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    # HF's loss upcasts to float32: the automatic verdict passes it, the strict one does not.
+    assert verify_cli().returncode == 0
+    strict = verify_cli("--strict", "--json", str(tmp_path / "strict.json"))
+    assert strict.returncode == 1, strict.stdout[-2000:]
+    record = json.loads((tmp_path / "strict.json").read_text())
+    assert record["precision"] == "float64" and record["precision_requested"] == "float64"
+    both = verify_cli("--strict", "--precision", "float32")
+    assert both.returncode == 2 and "--strict is --precision float64" in both.stdout
