@@ -10,15 +10,16 @@ diagnosis
    ratio is the largest over the smallest ratio of a token's recovered weight to the intended
    scheme's (1 for a correct step, whatever the scheme). Above `CONDITION_LIMIT` the group
    weights are declared not identifiable.
-2. **judges at that precision**: every candidate of `crosscheck.candidates` (the intended
-   scheme, each bug pattern of the catalogue, every other scheme) and every reweighting family
-   of `crosscheck.families` predicts a gradient, and fits when G passes the precision-aware
-   test against it: worst-leaf error within the level's tolerance and every rank's,
-   microbatch's and group's weight within that tolerance plus the measured noise. The step is
-   correct when the intended scheme fits.
-3. **names it** (``crosscheck.naming``): a logged denominator, when given, rules out patterns
-   that would have logged another; of what is left, the minimal explanation is named, or
-   several are (ambiguous), or none (unknown).
+2. **judges at that precision** (``crosscheck.judgement``): every candidate of
+   `crosscheck.candidates` (the intended scheme, each bug pattern of the catalogue, every other
+   scheme) and every reweighting family of `crosscheck.families` predicts a gradient, and fits
+   when G passes the precision-aware test against it: worst-leaf error within the level's
+   tolerance and every rank's, microbatch's and group's weight within that tolerance plus the
+   measured noise. Starting at the level the noise allows, a coarser allowed level is tried
+   only while nothing but a family fits. The step is correct when the intended scheme fits.
+3. **names it** (``crosscheck.naming``): a logged denominator, when given, breaks ties among
+   the patterns that fit; of what is left, the minimal explanation is named, or several are
+   (ambiguous), or none (unknown).
 
 The scale is the least-squares factor of G on the intended gradient,
 :math:`\langle G, g_I \rangle / \langle g_I, g_I \rangle`.
@@ -181,8 +182,11 @@ def _flat(tree: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(tree[k], dtype=np.float64).ravel() for k in sorted(tree)])
 
 
-def token_groups(fixture: Fixture, world_size: int, accum_steps: int, units: np.ndarray):
-    """Group id per token of the global [N, T] batch (-1: no weight), and each group's key."""
+def token_groups(
+    fixture: Fixture, world_size: int, accum_steps: int, units: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
+    """Group id per token of the global [N, T] batch (-1: no weight), and each group's
+    (rank, microbatch, row, segment)."""
     batch = fixture.layout(world_size, accum_steps)
     _, M, B, _ = batch.targets.shape
     width = int(fixture.segment_ids.max(initial=0)) + 1
