@@ -15,7 +15,7 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from crosscheck.catalogue import builtin_fixture
@@ -278,16 +278,38 @@ class CatalogueRun:
         }
 
 
+def _on_fixtures(runs: list[BugRun], fixtures: Sequence[str]) -> list[BugRun]:
+    """The catalogue's runs moved onto `fixtures` (names or .npz paths): every pattern at each
+    of its layouts that divides a fixture's rows. Whether the name still comes out is what
+    such a run shows: a fixture on which two patterns coincide cannot name them apart."""
+    moved: dict[BugRun, None] = {}
+    for run in runs:
+        for fixture in fixtures:
+            rows = builtin_fixture(fixture).num_rows
+            if rows % (run.world_size * run.accum_steps) == 0:
+                moved[replace(run, fixture=fixture)] = None
+    if not moved:
+        layouts = sorted({(r.world_size, r.accum_steps) for r in runs})
+        raise ValueError(
+            f"no layout of the catalogue ({', '.join(f'R={R},M={M}' for R, M in layouts)}) "
+            f"divides the rows of {', '.join(fixtures)}"
+        )
+    return list(moved)
+
+
 def run_catalogue(
     frameworks: tuple[str, ...] = ("torch", "jax"),
     patterns: Sequence[str] | None = None,
     outputs: Mapping[BugRun, BugOutput | BaseException] | None = None,
+    fixtures: Sequence[str] | None = None,
 ) -> CatalogueRun:
     """Run the catalogue (optionally some patterns only) and the skew runs, and judge them.
 
-    `outputs`, when given, holds the steps' results already (tests share one run); runs it
-    lacks are run now. Every planned run must come back: one that does not is a failure
-    row saying so, never a silent gap.
+    `fixtures` (built-in names or fixture .npz paths) replace the catalogue's own fixtures:
+    each pattern runs at its layouts that divide them (the skew runs stay on their own
+    fixture: they measure sensitivity). `outputs`, when given, holds the steps' results
+    already (tests share one run); runs it lacks are run now. Every planned run must come
+    back: one that does not is a failure row saying so, never a silent gap.
     """
     for name in patterns or ():
         if name not in PATTERNS:
@@ -296,6 +318,8 @@ def run_catalogue(
         if framework not in _RUNNERS:
             raise ValueError(f"unknown framework {framework!r}; known: {', '.join(_RUNNERS)}")
     runs = [r for r in catalogue_runs(frameworks) if patterns is None or r.pattern in patterns]
+    if fixtures:
+        runs = _on_fixtures(runs, fixtures)
     if not runs:
         raise ValueError(
             f"no catalogue run for patterns {', '.join(patterns or ())} in "

@@ -123,6 +123,10 @@ class CaseResult:
     deviation: float | None = None
     detail: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The row holds no measurement: what it checks raised, timed out, or came back with
+    #: nothing that could be compared (``ok`` is then False and ``detail`` says why). `run`
+    #: exits 3, not 1, when every failing row is one of these (crosscheck.exit_codes).
+    not_run: bool = False
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)

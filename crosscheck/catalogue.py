@@ -3,16 +3,21 @@
 Every fixture uses the same bilinear model (vocabulary V = 40, hidden H = 12 unless stated):
 V != H so a transposed parameter cannot pass for the right one, and 2 V H = 960 parameters
 leave the per-group gradient contributions linearly independent for diagnosis.
+
+`builtin_fixture` is the one lookup that `run`, `verify` and `bugs` use: it takes a built-in
+name or the path of a user's fixture .npz (`Fixture.load`, validated like a built-in).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 
-from crosscheck.fixtures import Fixture
+from crosscheck.fixtures import Fixture, FixtureError
 from crosscheck.layout import IGNORE_INDEX
 
 VOCAB_SIZE = 40
@@ -314,14 +319,76 @@ DIAGNOSIS_FIXTURES: dict[str, Callable[[], Fixture]] = {
 }
 
 
+def is_fixture_path(name: str | os.PathLike[str]) -> bool:
+    """Whether a fixture reference names a file rather than a built-in fixture.
+
+    A path object, or a string ending in ``.npz`` or holding a path separator (``/``, and
+    ``os.sep`` / ``os.altsep`` where they differ): no built-in name has either. The JAX verify
+    worker (crosscheck/runners/jax_verify_worker.py, ``_fixture``) applies the same rule.
+    """
+    if isinstance(name, os.PathLike):
+        return True
+    separators = {"/", os.sep, os.altsep} - {None}
+    return name.endswith(".npz") or any(sep in name for sep in separators)
+
+
+def fixture_reference(name: str | os.PathLike[str]) -> str:
+    """The form of a fixture reference to hand on: a built-in name as it is, a path absolute.
+
+    Worker processes may start in another directory (or be given the reference much later),
+    so a relative path is resolved once, here, against the caller's working directory.
+    """
+    if is_fixture_path(name):
+        return str(Path(name).expanduser().resolve())
+    return str(name)
+
+
+def builtin_fixture(name: str | os.PathLike[str]) -> Fixture:
+    """A built-in fixture by name (default-matrix or diagnosis), or a fixture .npz by path.
+
+    Built-ins are built once and shared read-only. A path (see `is_fixture_path`) is resolved
+    to an absolute one and loaded with `Fixture.load`, validated as a built-in is, and cached
+    while the file is unchanged (same inode, size and modification time). Its `Fixture.name`
+    is the reference as given, as a built-in's is its name: the harness keys its rows by the
+    reference, and `builtin_fixture(fixture.name)` finds the fixture again (pass references
+    through `fixture_reference` first so that they stay valid in other directories). A missing
+    or bad file raises FixtureError naming the file and the problem; an unknown name,
+    ValueError listing the built-ins.
+    """
+    if is_fixture_path(name):
+        reference = os.fspath(name)
+        path = Path(fixture_reference(name))
+        try:
+            stat = path.stat()
+        except OSError as exc:
+            raise FixtureError(
+                f"fixture file {path} cannot be read ({exc.strerror or exc}); a fixture is a "
+                f"built-in name ({', '.join(_known_names())}) or the path of a fixture .npz"
+            ) from None
+        return _fixture_file(reference, str(path), stat.st_ino, stat.st_mtime_ns, stat.st_size)
+    return _builtin(name)
+
+
+def _known_names() -> list[str]:
+    return [*BUILTIN_FIXTURES, *DIAGNOSIS_FIXTURES]
+
+
 @cache
-def builtin_fixture(name: str) -> Fixture:
-    """A built-in fixture by name, default-matrix or diagnosis (built once; read-only)."""
+def _builtin(name: str) -> Fixture:
     builder = BUILTIN_FIXTURES.get(name) or DIAGNOSIS_FIXTURES.get(name)
     if builder is None:
-        known = ", ".join([*BUILTIN_FIXTURES, *DIAGNOSIS_FIXTURES])
-        raise ValueError(f"unknown fixture {name!r}; built-in fixtures: {known}")
+        raise ValueError(
+            f"unknown fixture {name!r}; built-in fixtures: {', '.join(_known_names())}; "
+            "or give the path of a fixture .npz (a name ending in .npz or containing '/')"
+        )
     return builder()
+
+
+@cache
+def _fixture_file(reference: str, path: str, inode: int, mtime_ns: int, size: int) -> Fixture:
+    """A fixture file named `reference`, cached by reference, path, inode, modification time
+    and size: a file rewritten or replaced (renamed over) is read again."""
+    return Fixture.load(path, name=reference)
 
 
 def random_fixture(

@@ -5,12 +5,20 @@ mean), then runs every implementation on the built-in fixtures across layouts an
 and compares gradients and updates with the oracle and with each other. Exit status 0 only
 when every row is what the contract expects: intended schemes match; accidental ones match the
 accident they are (and their deviation from the token mean is shown).
+
+Every command's exit status is one of `crosscheck.exit_codes`. Set-up errors (exit 2) are
+found before any work starts, each as one line naming what and why: bad arguments, an output
+path that cannot be written (``--json``, ``--log``, ``--plot``, the export directory), a
+non-empty export directory without ``--force``, a ``--step`` that does not exist. Ctrl-C and
+SIGTERM stop every process the command started and print one line (exit 130,
+`crosscheck.processes`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,17 +29,18 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from crosscheck import exit_codes
 from crosscheck.cases import STRATEGIES, Case
-from crosscheck.catalogue import builtin_fixture
+from crosscheck.catalogue import builtin_fixture, fixture_reference
 from crosscheck.fixtures import Fixture
 from crosscheck.matrix import run_matrix
 from crosscheck.oracle import loss_and_grad
 from crosscheck.plan import Plan
-from crosscheck.plot import plot_effective_weights
+from crosscheck.processes import handle_signals
 from crosscheck.report import (
     print_results,
-    run_ok,
-    skipped_table,
+    print_skipped,
+    run_exit_code,
     summary_line,
     timings_table,
     write_json,
@@ -52,6 +61,12 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _fixture_list(text: str) -> list[str]:
+    """Fixture references: built-in names, or .npz paths made absolute (workers may start in
+    another directory)."""
+    return [fixture_reference(part) for part in _name_list(text)]
+
+
 def _name_list(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
@@ -69,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     # No defaults here: a list the user names is explicit (every value of it must run in
     # some case, or the run is refused); a list left out takes the Plan's default, whose
     # product with the others may skip combinations (listed, with their reasons).
-    run.add_argument("--fixture", type=_name_list, help="fixture names, comma-separated")
+    run.add_argument(
+        "--fixture",
+        type=_fixture_list,
+        help="built-in fixture names or fixture .npz paths, comma-separated",
+    )
     run.add_argument("--schemes", type=_name_list, help="scheme names, comma-separated")
     run.add_argument(
         "--impls", type=_name_list, help=f"oracle, {', '.join(IMPLEMENTATIONS)} (default: all)"
@@ -97,12 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bugs.add_argument("--frameworks", type=_name_list, default=["torch", "jax"], help="torch, jax")
     bugs.add_argument("--patterns", type=_name_list, help="pattern ids (default: all)")
+    bugs.add_argument(
+        "--fixture",
+        type=_fixture_list,
+        help="run every pattern on these fixtures instead (built-in names or .npz paths)",
+    )
     bugs.add_argument("--json", type=Path, help="write the results as JSON here")
     export = commands.add_parser(
         "export-vectors",
         help="write portable .npz test vectors and a manifest for every fixture and scheme",
     )
     export.add_argument("directory", type=Path, help="output directory (created if missing)")
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty directory: replace the export's own files, leave the rest",
+    )
     verify = commands.add_parser(
         "verify",
         help="check your own training step (MODULE:FUNCTION) against the oracle and diagnose it",
@@ -114,11 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="the scheme the step is meant to compute (constant:C for a fixed normalizer C)",
     )
-    verify.add_argument("--fixtures", type=_name_list, help="default: packed,ragged")
+    verify.add_argument(
+        "--fixtures",
+        type=_fixture_list,
+        help="built-in names or fixture .npz paths, comma-separated (default: packed,ragged)",
+    )
     verify.add_argument("--world-sizes", type=_int_list, help="default layouts: see README")
     verify.add_argument("--accum", type=_int_list)
     verify.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds before a step counts as hung"
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds the step gets for the whole run in each framework (all its cases)",
     )
     verify.add_argument(
         "--precision",
@@ -177,6 +213,60 @@ RUN_LISTS: dict[str, str] = {
 }
 
 
+def output_problem(path: Path) -> str:
+    """Why the file `path` cannot be written, or '' (nothing is created or changed).
+
+    The file must be writable where it exists; its directory must exist or be creatable.
+    Creating a file in the nearest directory that exists (a temporary one, removed at once)
+    is the test: permission bits alone say nothing for root, nor for a read-only mount.
+    """
+    if path.is_dir():
+        return "it is a directory"
+    if path.exists():
+        try:
+            with path.open("ab"):  # append: opens for writing without changing a byte
+                pass
+        except OSError as error:
+            return f"it cannot be opened for writing ({error.strerror or error})"
+        return ""
+    return _creatable(path.parent)
+
+
+def _creatable(directory: Path) -> str:
+    """Why `directory` cannot be used or created, or '' (nothing is created)."""
+    ancestor = directory
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    try:
+        with tempfile.TemporaryFile(dir=ancestor):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        if ancestor == directory:
+            return f"no file can be created in {directory} ({reason})"
+        return f"{directory} does not exist and cannot be created in {ancestor} ({reason})"
+    return ""
+
+
+def check_outputs(command: str, outputs: dict[str, Path | None]) -> str:
+    """The first option whose path cannot be written, as one line; '' when all can."""
+    for option, path in outputs.items():
+        if path is None:
+            continue
+        problem = output_problem(Path(path))
+        if problem:
+            return f"crosscheck {command}: {option} {path} cannot be written: {problem}"
+    return ""
+
+
+def _refuse(console: Console, line: str) -> int:
+    """Print a set-up error (one line, whatever the terminal's width) and return its code."""
+    console.print(f"[red]{escape(line)}[/]", soft_wrap=True)
+    return exit_codes.SETUP_ERROR
+
+
 def _plan(args: argparse.Namespace) -> Plan:
     """The plan of `crosscheck run`: the options given are its explicit lists."""
     given = {field: getattr(args, option) for option, field in RUN_LISTS.items()}
@@ -201,9 +291,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
         # runs in no case; the build is repeated by run_matrix (a few ms).
         plan.build()
     except ValueError as error:
-        # One line, whatever the terminal's width: soft_wrap leaves the wrapping to it.
-        console.print(f"[red]crosscheck run: {escape(str(error))}[/]", soft_wrap=True)
-        return 2
+        return _refuse(console, f"crosscheck run: {error}")
+    # Before the matrix, not after it: a path that cannot be written would otherwise fail
+    # only once the whole run is done.
+    problem = check_outputs("run", {"--json": args.json, "--log": args.log, "--plot": args.plot})
+    if problem:
+        return _refuse(console, problem)
     if "seed" in plan.fixtures:
         console.print(seed_weights_table())
     with Progress(
@@ -223,7 +316,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         result = run_matrix(plan, on_progress)
     print_results(console, result.rows, per_case=args.rows == "case")
     if result.skipped:
-        console.print(skipped_table(result.skipped))
+        print_skipped(console, result.skipped)
     if args.timings:
         console.print(timings_table(result.timings))
     wall = time.perf_counter() - started
@@ -238,9 +331,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.plot is not None:
         fixture = builtin_fixture(plan.fixtures[0])
         R, M = _plot_layout(fixture)
+        # Imported here: matplotlib costs the start of every other command a second.
+        from crosscheck.plot import plot_effective_weights
+
+        args.plot.parent.mkdir(parents=True, exist_ok=True)  # checked creatable up front
         plot_effective_weights(fixture, args.plot, R, M)
         console.print(f"wrote {args.plot} ({fixture.name}, R={R}, M={M})")
-    return 0 if run_ok(result.rows) else 1
+    return run_exit_code(result.rows)
 
 
 def _plan_record(plan: Plan) -> dict:
@@ -268,12 +365,20 @@ def _plot_layout(fixture: Fixture) -> tuple[int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status (`crosscheck.exit_codes`).
+
+    SIGTERM is handled like Ctrl-C while the command runs (`crosscheck.processes`): either one
+    stops every process it started, prints one line on stderr and returns INTERRUPTED (130).
+    The previous signal handlers and numpy error state are restored on return.
+    """
     args = build_parser().parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 140)
     # A 0/0 anywhere in the reference is a bug: raise rather than carry a silent NaN. Scoped
     # to the command, so that calling main() from Python leaves the caller's state alone.
-    with np.errstate(divide="raise", invalid="raise"):
+    with handle_signals(), np.errstate(divide="raise", invalid="raise"):
         return _dispatch(args, console)
+    # Only reached when handle_signals caught an interrupt (it has said so on stderr).
+    return exit_codes.INTERRUPTED
 
 
 def _dispatch(args: argparse.Namespace, console: Console) -> int:
@@ -282,41 +387,66 @@ def _dispatch(args: argparse.Namespace, console: Console) -> int:
     if args.command == "bugs":
         return bugs(args, console)
     if args.command == "export-vectors":
-        from crosscheck.vectors import export_vectors
-
-        written = export_vectors(args.directory)
-        console.print(
-            f"wrote {len(written.files)} files, {written.num_bytes} bytes; "
-            f"manifest {written.manifest_path}"
-        )
-        return 0
+        return export(args, console)
     if args.command == "verify":
-        from crosscheck.verify_report import verify_command
-
-        return verify_command(args, console)
+        return verify(args, console)
     raise AssertionError(args.command)
 
 
+def export(args: argparse.Namespace, console: Console) -> int:
+    """`export-vectors DIR [--force]`: refused (exit 2) into a file, an unwritable place, or a
+    non-empty directory without --force, before anything is written."""
+    from crosscheck.vectors import ExportDirectoryError, check_export_directory, export_vectors
+
+    directory = Path(args.directory)
+    problem = _creatable(directory)
+    if problem:
+        return _refuse(
+            console, f"crosscheck export-vectors: {directory} cannot be written: {problem}"
+        )
+    try:
+        check_export_directory(directory, args.force)
+    except ExportDirectoryError as error:
+        return _refuse(console, f"crosscheck export-vectors: {error}")
+    written = export_vectors(directory, force=args.force)
+    console.print(
+        f"wrote {len(written.files)} files, {written.num_bytes} bytes; "
+        f"manifest {written.manifest_path}"
+    )
+    return exit_codes.OK
+
+
+def verify(args: argparse.Namespace, console: Console) -> int:
+    """`verify`: the JSON path is checked before the step is, and both before any process."""
+    from crosscheck.verify_report import verify_command
+
+    problem = check_outputs("verify", {"--json": args.json})
+    if problem:
+        return _refuse(console, problem)
+    return verify_command(args, console)
+
+
 def bugs(args: argparse.Namespace, console: Console) -> int:
-    from crosscheck.bug_report import print_catalogue, write_catalogue_json
+    from crosscheck.bug_report import catalogue_exit_code, print_catalogue, write_catalogue_json
     from crosscheck.bugs import run_catalogue
 
     started = time.perf_counter()
     unknown = [fw for fw in args.frameworks if fw not in ("torch", "jax")]
     if unknown:
-        console.print(
-            f"[red]crosscheck bugs: unknown framework {unknown[0]!r}; known: torch, jax[/]"
+        return _refuse(
+            console, f"crosscheck bugs: unknown framework {unknown[0]!r}; known: torch, jax"
         )
-        return 2
+    problem = check_outputs("bugs", {"--json": args.json})
+    if problem:
+        return _refuse(console, problem)
     try:
         with console.status("running the buggy steps in torch and JAX processes"):
-            result = run_catalogue(tuple(args.frameworks), args.patterns)
+            result = run_catalogue(tuple(args.frameworks), args.patterns, fixtures=args.fixture)
     except ValueError as error:
-        console.print(f"[red]crosscheck bugs: {error}[/]")
-        return 2
+        return _refuse(console, f"crosscheck bugs: {error}")
     print_catalogue(console, result)
     wall = time.perf_counter() - started
     console.print(f"wall time {wall:.1f} s")
     if args.json is not None:
         write_catalogue_json(args.json, result, wall)
-    return 0 if result.ok else 1
+    return catalogue_exit_code(result)

@@ -60,6 +60,11 @@ from crosscheck.verdict import (
     tolerance,
 )
 
+#: A gradient entry beyond this magnitude is no weighting of the fixtures' gradients (their
+#: entries are below 1), and the fit's sums of squares would overflow float64 on it: such a
+#: gradient is reported like a non-finite one, by where it is (`unusable_entries`).
+MAX_GRADIENT_MAGNITUDE = 1e100
+
 #: Above this condition number of the normalized group basis, two groups' weights can trade
 #: off against each other within float64 rounding of a 1e-12-accurate gradient
 #: (1e-12 * 1e4 = 1e-8 relative error in a weight), so the recovered weights are not reported
@@ -74,6 +79,7 @@ __all__ = [
     "GroupWeight",
     "diagnose",
     "token_groups",
+    "unusable_entries",
     "with_explanation",
 ]
 
@@ -139,6 +145,9 @@ class Diagnosis:
     candidate_errors: dict[str, float] = field(default_factory=dict)
     #: name -> the candidate's own details (a family's factors, a clipping convention).
     notes: dict[str, str] = field(default_factory=dict)
+    #: Where the gradient holds NaN, inf or a value too large to fit (`unusable_entries`),
+    #: in words; "" when it holds none.
+    unusable: str = ""
 
     @property
     def intended(self) -> str:
@@ -201,6 +210,40 @@ def token_groups(
         rank, microbatch = divmod(row // B, M)
         described.append((rank, microbatch, row, segment))
     return group_of, described
+
+
+def _first(mask: Mapping[str, np.ndarray]) -> tuple[str, tuple[int, ...], int]:
+    """The first (name, index) where `mask` holds, in sorted name order, and how many do."""
+    total = sum(int(np.count_nonzero(m)) for m in mask.values())
+    name = next(k for k in sorted(mask) if mask[k].any())
+    index = tuple(int(i) for i in np.argwhere(mask[name])[0])
+    return name, index, total
+
+
+def _where(name: str, index: tuple[int, ...]) -> str:
+    return f"{name}[{', '.join(map(str, index))}]" if index else name
+
+
+def unusable_entries(grads: Mapping[str, np.ndarray]) -> str:
+    """Where `grads` holds NaN or inf, or else an entry beyond MAX_GRADIENT_MAGNITUDE, as
+    "inf in embed[3, 4] (and 12 more NaN or inf entries)"; "" when it holds neither."""
+    arrays = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
+    bad = {k: ~np.isfinite(v) for k, v in arrays.items()}
+    if any(m.any() for m in bad.values()):
+        name, index, total = _first(bad)
+        value = float(arrays[name][index])
+        what = "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        more = f"and {total - 1} more NaN or inf entries" if total > 1 else "no other NaN or inf"
+        return f"{what} in {_where(name, index)} ({more})"
+    huge = {k: np.abs(v) > MAX_GRADIENT_MAGNITUDE for k, v in arrays.items()}
+    if any(m.any() for m in huge.values()):
+        name, index, total = _first(huge)
+        more = f"and {total - 1} more" if total > 1 else "the only entry"
+        return (
+            f"{float(arrays[name][index]):.3g} in {_where(name, index)} ({more} beyond "
+            f"{MAX_GRADIENT_MAGNITUDE:.0e}, too large for the fit's float64 arithmetic)"
+        )
+    return ""
 
 
 def _ratio(values: np.ndarray) -> float:
@@ -276,6 +319,12 @@ def diagnose(
     intended_grads = grad_of(weights)
     intended_error = tree_rel_err(grads, intended_grads).max_rel_err
     g, gi = _flat(grads), _flat(intended_grads)
+    unusable = unusable_entries(grads)
+    if unusable:
+        # The fit's arithmetic overflows on huge entries (and raises under the CLI's
+        # errstate); as NaN the gradient takes the non-finite path every step below handles:
+        # nothing fits, and the explanation says where the gradient went wrong.
+        g = np.full_like(g, np.nan)
     scale = float(g @ gi / (gi @ gi)) if gi @ gi > 0 and np.isfinite(g).all() else math.nan
 
     group_of, keys = token_groups(fixture, world_size, accum_steps, units)
@@ -362,6 +411,7 @@ def diagnose(
         groups=groups,
         candidate_errors=errors,
         notes=notes,
+        unusable=unusable,
     )
     return with_explanation(diagnosis)
 

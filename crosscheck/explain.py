@@ -106,6 +106,15 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
     d = diagnosis
     best = d.best_match
     fix = ""
+    if d.unusable:
+        huge = "NaN or inf" not in d.unusable
+        return (
+            f"The gradient holds {d.unusable}: verification fails and no weighting can match it.",
+            "find where the step first produces a "
+            + ("huge" if huge else "non-finite")
+            + " loss or gradient (a division by 0 or by a tiny count, on a rank or microbatch "
+            "without valid tokens, is the usual cause)",
+        )
     if not math.isfinite(d.residual):
         return (
             "The gradient holds NaN or inf: verification fails and no weighting can match it.",

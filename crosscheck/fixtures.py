@@ -4,11 +4,14 @@ A fixture is what every implementation runs on: `inputs`, `targets` (IGNORE_INDE
 tokens without a loss), `segment_ids` (packed documents; 0 = padding) and `weights` (soft
 per-token weights), each [N, T]; params `embed` [V, H] and `unembed` [H, V] in float64; a name
 and a one-line description of the trap it sets. Construction validates everything, and an
-error names the row and position of the first offending token.
+error names the fixture, the array, and the row and position of the first offending token.
+`Fixture.load` reads a user's .npz and says which file and what is wrong with it (unreadable
+or truncated, a missing or extra key, a wrong shape, dtype or value).
 """
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,12 +26,45 @@ PARAM_KEYS: tuple[str, ...] = NPZ_KEYS[4:]
 
 
 class FixtureError(ValueError):
-    """A fixture that breaks the contract; the message names the fixture, row and position."""
+    """A fixture that breaks the contract; the message names the fixture, row and position.
+
+    `reason` is the message without the fixture's name, so that `Fixture.load` can name the
+    file instead.
+    """
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
+
+
+#: What np.load and reading a member raise for a file that is not a complete .npz: an empty
+#: file (EOFError), a few bytes (ValueError: taken for a pickle), a cut zip (BadZipFile), a
+#: damaged member (BadZipFile: bad CRC, ValueError: bad .npy header), an unreadable path.
+_UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile)
 
 
 def _first_position(mask: np.ndarray) -> tuple[int, int]:
     row, pos = np.argwhere(mask)[0]
     return int(row), int(pos)
+
+
+def _not_integers(key: str, array: np.ndarray) -> str:
+    """Why a 2-D `array` of a non-integer dtype cannot hold token ids or segment ids."""
+    if np.issubdtype(array.dtype, np.floating):
+        whole = np.isfinite(array) & (array == np.round(array))
+        if whole.all():
+            # The common slip: ids that went through a float array (np.full(..., -100.0), a
+            # pandas column with NaNs). Say so, and how to fix it, rather than just "float".
+            return (
+                f"{key} must be an integer array, got {array.dtype} holding whole numbers: "
+                f"cast it with .astype(np.int64)"
+            )
+        row, pos = _first_position(~whole)
+        return (
+            f"{key} must be an integer array, got {array.dtype} with the non-integer value "
+            f"{float(array[row, pos])!r} at row {row}, position {pos}"
+        )
+    return f"{key} must be an integer array, got {array.dtype}"
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,20 +145,53 @@ class Fixture:
 
     @classmethod
     def load(cls, path: str | Path, name: str | None = None, description: str = "") -> Fixture:
-        """Read a fixture .npz; its name defaults to the file's stem."""
+        """Read a fixture .npz; its name defaults to the file's stem.
+
+        Every problem raises FixtureError naming the file: missing or unreadable (truncated,
+        not an .npz), a missing or extra key, and anything the contract refuses (shape, dtype,
+        a token outside the vocabulary, with its row and position).
+        """
         path = Path(path)
-        with np.load(path, allow_pickle=False) as archive:
+        where = f"fixture file {path}"
+        if not path.is_file():
+            why = "is a directory" if path.is_dir() else "does not exist"
+            raise FixtureError(f"{where} {why}; a fixture file is an .npz written by Fixture.save")
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except _UNREADABLE as exc:
+            raise FixtureError(
+                f"{where} is not a readable .npz (truncated, or not a fixture file): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not isinstance(archive, np.lib.npyio.NpzFile):
+            raise FixtureError(
+                f"{where} holds a single array (.npy), not an .npz of {list(NPZ_KEYS)}"
+            )
+        with archive:
             keys = set(archive.files)
-            if keys != set(NPZ_KEYS):
+            missing, extra = sorted(set(NPZ_KEYS) - keys), sorted(keys - set(NPZ_KEYS))
+            if missing or extra:
                 raise FixtureError(
-                    f"{path}: a fixture .npz holds exactly {list(NPZ_KEYS)}; "
-                    f"missing {sorted(set(NPZ_KEYS) - keys)}, extra {sorted(keys - set(NPZ_KEYS))}"
+                    f"{where}: a fixture .npz holds exactly {list(NPZ_KEYS)}; "
+                    f"missing {missing}, extra {extra}"
                 )
-            arrays = {key: archive[key] for key in NPZ_KEYS}
-        return cls(name=name or path.stem, description=description, **arrays)
+            arrays = {}
+            for key in NPZ_KEYS:
+                try:
+                    arrays[key] = archive[key]
+                except _UNREADABLE as exc:
+                    raise FixtureError(
+                        f"{where}: key {key!r} cannot be read (truncated or damaged file): "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+        try:
+            return cls(name=name or path.stem, description=description, **arrays)
+        except FixtureError as exc:
+            # Name the file, not only the fixture name it was given (its stem).
+            raise FixtureError(f"{where}: {exc.reason}", reason=exc.reason) from None
 
     def _fail(self, message: str) -> None:
-        raise FixtureError(f"fixture {self.name!r}: {message}")
+        raise FixtureError(f"fixture {self.name!r}: {message}", reason=message)
 
     def _validate(self) -> None:
         shape = self.targets.shape
@@ -133,17 +202,30 @@ class Fixture:
             if array.shape != shape:
                 self._fail(f"{key} has shape {array.shape}, targets have {shape}")
         for key in ("inputs", "targets", "segment_ids"):
-            if not np.issubdtype(getattr(self, key).dtype, np.integer):
-                self._fail(f"{key} must be integers, got {getattr(self, key).dtype}")
+            array = getattr(self, key)
+            if not np.issubdtype(array.dtype, np.integer):
+                self._fail(_not_integers(key, array))
+        if not np.issubdtype(self.weights.dtype, np.floating):
+            # Integer weights would be summed as integers by numpy and cast differently by
+            # each framework; the contract's w_t are real numbers.
+            self._fail(
+                f"weights must be a floating-point array (soft per-token weights), got "
+                f"{self.weights.dtype}; cast it with .astype(np.float64)"
+            )
         for key in PARAM_KEYS:
-            if getattr(self, key).dtype != np.float64 or getattr(self, key).ndim != 2:
-                self._fail(f"{key} must be a 2-D float64 array, got {getattr(self, key).dtype}")
+            array = getattr(self, key)
+            if array.dtype != np.float64 or array.ndim != 2:
+                self._fail(
+                    f"{key} must be a 2-D float64 array, got {array.dtype} of shape {array.shape}"
+                )
         V, H = self.embed.shape
         if self.unembed.shape != (H, V):
             self._fail(f"unembed must be [H, V] = {(H, V)}, got {self.unembed.shape}")
         for key in PARAM_KEYS:
-            if not np.isfinite(getattr(self, key)).all():
-                self._fail(f"{key} holds a non-finite value")
+            bad = ~np.isfinite(getattr(self, key))
+            if bad.any():
+                i, j = _first_position(bad)
+                self._fail(f"{key}[{i}, {j}] = {float(getattr(self, key)[i, j])!r} is not finite")
         self._validate_tokens(V)
 
     def _validate_tokens(self, V: int) -> None:

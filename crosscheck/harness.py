@@ -163,14 +163,16 @@ def compare_with_oracle(case: Case, output: CaseOutput, settings: TrainSettings)
     )
 
 
-def failed_case(case: Case, error: BaseException | str) -> CaseResult:
-    """A row for a case whose implementation raised or produced nothing."""
+def failed_case(case: Case, error: BaseException | str, not_run: bool = True) -> CaseResult:
+    """A failing row for a case whose implementation raised or produced nothing (`not_run`),
+    or, with ``not_run=False``, whose report broke the harness's bookkeeping."""
     return _vs_oracle_row(
         case,
         max_rel_err=float("inf"),
         ok=False,
         reference="oracle",
         detail=f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error,
+        not_run=not_run,
     )
 
 

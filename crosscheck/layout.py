@@ -25,6 +25,11 @@ class Layout:
     accum_steps: int
 
     def __post_init__(self) -> None:
+        for name in ("world_size", "accum_steps"):
+            value = getattr(self, name)
+            # bool is an int, and 2.0 would reshape to a float shape: both are slips.
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise ValueError(f"layout {name} must be an integer, got {value!r}")
         if self.world_size < 1 or self.accum_steps < 1:
             raise ValueError(
                 f"layout needs world_size >= 1 and accum_steps >= 1, "
@@ -104,14 +109,25 @@ def lay_out(
     weights: np.ndarray,
     layout: Layout,
 ) -> LaidOutBatch:
-    """Split [N, T] arrays contiguously into [R, M, B, T] (no copy)."""
-    N, T = targets.shape
+    """Split [N, T] arrays contiguously into [R, M, B, T] (no copy).
+
+    The four arrays must share one [N, T] shape (checked here, naming the array: a reshape
+    of a mismatched array would fail with numpy's own message or, worse, succeed with rows
+    from the wrong place); token values are the fixture's to validate (`Fixture`).
+    """
+    arrays = {
+        "inputs": np.asarray(inputs),
+        "targets": np.asarray(targets),
+        "segment_ids": np.asarray(segment_ids),
+        "weights": np.asarray(weights),
+    }
+    shape = arrays["targets"].shape
+    if len(shape) != 2:
+        raise ValueError(f"lay_out: targets must be [N, T], got shape {shape}")
+    for key, array in arrays.items():
+        if array.shape != shape:
+            raise ValueError(f"lay_out: {key} has shape {array.shape}, targets have {shape}")
+    N, T = shape
     B = layout.rows_per_microbatch(N)
-    shape = (layout.world_size, layout.accum_steps, B, T)
-    return LaidOutBatch(
-        layout,
-        inputs.reshape(shape),
-        targets.reshape(shape),
-        segment_ids.reshape(shape),
-        weights.reshape(shape),
-    )
+    new_shape = (layout.world_size, layout.accum_steps, B, T)
+    return LaidOutBatch(layout, *(arrays[key].reshape(new_shape) for key in arrays))

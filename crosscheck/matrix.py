@@ -40,8 +40,7 @@ from crosscheck.harness import (
 )
 from crosscheck.invariance import layout_invariance
 from crosscheck.plan import WORLD_SIZE_CHANGE_FAMILY, Plan
-from crosscheck.resume import _row as resume_row
-from crosscheck.resume import resume_jobs
+from crosscheck.resume import resume_jobs, resume_row
 from crosscheck.runners import framework_of, runner_for
 from crosscheck.schedule import Job, JobTiming, run_jobs
 
@@ -90,9 +89,9 @@ def run_matrix(
         with lock:
             reported[case] += 1
             if case not in planned:
-                row = failed_case(case, "reported by its runner but never planned")
+                row = failed_case(case, "reported by its runner but never planned", False)
             elif reported[case] > 1:
-                row = failed_case(case, f"reported {reported[case]} times by its runner")
+                row = failed_case(case, f"reported {reported[case]} times by its runner", False)
             else:
                 done += 1
                 if not isinstance(result, BaseException):
@@ -218,6 +217,7 @@ def _missing_oracle_rows(
                 ok=False,
                 reference="oracle",
                 detail=detail,
+                not_run=True,
             )
         ] * count
     return missing
@@ -236,7 +236,9 @@ def _missing_resume_rows(cases: list[ResumeCase], rows: list[CaseResult]) -> lis
     missing = []
     for case in cases:
         # The row the case would have had, failing: its key identifies the case.
-        row = resume_row(case, max_rel_err=float("inf"), ok=False, detail=NEVER_REPORTED)
+        row = resume_row(
+            case, max_rel_err=float("inf"), ok=False, detail=NEVER_REPORTED, not_run=True
+        )
         if got[_row_key(row)]:
             got[_row_key(row)] -= 1
         else:

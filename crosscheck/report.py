@@ -5,20 +5,28 @@ scheme and implementation, over fixtures, strategies and layouts; see GROUP_BY) 
 error of the group; `--rows case` prints one row per case instead. The JSON holds every row.
 Combinations of the plan that do not run are counted by reason in the summary line, tabulated,
 and listed one by one in the JSON (`skipped`).
+
+Every table has a compact layout for narrow terminals (80 columns): the names that identify a
+row share one column that wraps between names, never inside one, and the numbers keep their
+own columns. `fitted` prints the wide layout where it fits the console and the compact one
+where the wide one would cut a cell.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
+from crosscheck import exit_codes
 from crosscheck.cases import Case, CaseResult, RankMetrics, SkippedCase
 from crosscheck.compare import RTOL_BY_DTYPE
 from crosscheck.schedule import JobTiming
@@ -35,7 +43,10 @@ CHECK_TITLES = {
 
 
 def _verdict(rows: list[CaseResult]) -> str:
-    if not all(r.ok for r in rows):
+    failed = [r for r in rows if not r.ok]
+    if failed and all(r.not_run for r in failed):
+        return "[red]NOT RUN[/]"
+    if failed:
         return "[red]FAIL[/]"
     if rows[0].check == "clipping" or (
         rows[0].check in ("layout-invariance", "world-size-change")
@@ -72,12 +83,51 @@ def _collapse(values: set[str], noun: str) -> str:
     return next(iter(values)) if len(values) == 1 else f"{len(values)} {noun}"
 
 
-def results_table(check: str, rows: list[CaseResult], per_case: bool) -> Table:
+def cuts_a_cell(console: Console, table: Table) -> bool:
+    """Whether `table` printed on `console` would cut a cell short.
+
+    Two tests, both needed: the table's minimum width (every cell's longest word, borders and
+    padding) must fit the console, or rich squeezes some columns below it (down to nothing,
+    without a mark); and rendered at the console's width it must show no ellipsis.
+    """
+    unbounded = console.options.update_width(10_000)
+    if Measurement.get(console, unbounded, table).minimum > console.width:
+        return True
+    probe = Console(width=console.width, file=io.StringIO(), color_system=None)
+    probe.print(table)
+    return "\u2026" in probe.file.getvalue()
+
+
+def fitted(console: Console, wide: Table, compact: Callable[[], Table]) -> Table:
+    """`wide` where it fits `console` without cutting a cell, else `compact()`."""
+    return compact() if cuts_a_cell(console, wide) else wide
+
+
+def _compact_verdict(verdict: str) -> str:
+    # Two short lines instead of one long one: the result column stays narrow.
+    return verdict.replace(", as expected", ",\nas expected").replace("same here", "same\nhere")
+
+
+def results_table(
+    check: str, rows: list[CaseResult], per_case: bool, compact: bool = False
+) -> Table:
+    """One check's rows, grouped (GROUP_BY) or one per case.
+
+    `compact` (for narrow terminals): fixture, scheme, impl and strategy (and R, M, dtype per
+    case) share the first column, the only one that wraps (between names), and the headers
+    take two lines.
+    """
     table = Table(title=CHECK_TITLES.get(check, check), title_justify="left")
-    columns = [*COLUMNS, *(("R", "M", "dtype") if per_case else ("cases",))]
-    columns += ["max rel err", "vs token_mean", "weight ratio", "result"]
-    for column in columns:
-        table.add_column(column, justify="left" if column in COLUMNS else "right")
+    numbers = ["max rel err", "vs token_mean", "weight ratio", "result"]
+    if compact:
+        names = [*COLUMNS, *(("R", "M", "dtype") if per_case else ())]
+        table.add_column(" ".join(names), overflow="fold")
+        for column in ([] if per_case else ["cases"]) + numbers:
+            table.add_column(column.replace(" ", "\n", 1), justify="right", no_wrap=True)
+    else:
+        columns = [*COLUMNS, *(("R", "M", "dtype") if per_case else ("cases",)), *numbers]
+        for column in columns:
+            table.add_column(column, justify="left" if column in COLUMNS else "right")
     key_fields = (*COLUMNS, "world_size", "accum_steps", "dtype") if per_case else GROUP_BY[check]
     groups: dict[tuple, list[CaseResult]] = {}
     for row in rows:
@@ -87,13 +137,18 @@ def results_table(check: str, rows: list[CaseResult], per_case: bool) -> Table:
         cells = [_collapse({getattr(r, field) for r in group}, PLURALS[field]) for field in COLUMNS]
         if per_case:
             cells += [str(group[0].world_size), str(group[0].accum_steps), group[0].dtype]
-        else:
+        if compact:
+            if per_case:
+                cells = [*cells[:4], f"R={cells[4]} M={cells[5]}", cells[6]]
+            cells = [" ".join(cells)]
+        if not per_case:
             cells.append(str(len(group)))
+        verdict = _verdict(group)
         cells += [
             _fmt(max(r.max_rel_err for r in group)),
             _fmt(max(deviations)) if deviations else "-",
             f"{max(r.weight_ratio for r in group):.3g}",
-            _verdict(group),
+            _compact_verdict(verdict) if compact else verdict,
         ]
         table.add_row(*cells)
     return table
@@ -104,11 +159,15 @@ def print_results(console: Console, rows: list[CaseResult], per_case: bool = Fal
     for row in rows:
         by_check.setdefault(row.check, []).append(row)
     for check, group in by_check.items():
-        console.print(results_table(check, group, per_case))
+        wide = results_table(check, group, per_case)
+        console.print(
+            fitted(console, wide, lambda c=check, g=group: results_table(c, g, per_case, True))
+        )
     failures = [r for r in rows if not r.ok]
     for row in failures[:20]:
+        verdict = "NOT RUN" if row.not_run else "FAIL"
         console.print(
-            f"[red]FAIL[/] {row.check} {row.impl} {row.fixture}/{row.scheme} {row.strategy} "
+            f"[red]{verdict}[/] {row.check} {row.impl} {row.fixture}/{row.scheme} {row.strategy} "
             f"R={row.world_size} M={row.accum_steps} {row.dtype}: {row.detail}"
         )
     if len(failures) > 20:
@@ -132,28 +191,55 @@ def run_ok(rows: Sequence[CaseResult]) -> bool:
     return bool(rows) and all(r.ok for r in rows)
 
 
+def run_exit_code(rows: Sequence[CaseResult]) -> int:
+    """`run`'s exit status (crosscheck.exit_codes): OK when `run_ok`; STEP_FAILED when every
+    failing row is one that could not be run (`CaseResult.not_run`: an implementation raised,
+    timed out or came back with nothing comparable); MISMATCH otherwise, a run that checked
+    nothing included. A mismatch wins over a crash."""
+    if run_ok(rows):
+        return exit_codes.OK
+    failed = [r for r in rows if not r.ok]
+    if rows and all(r.not_run for r in failed):
+        return exit_codes.STEP_FAILED
+    return exit_codes.MISMATCH
+
+
 def skip_reasons(skipped: Iterable[SkippedCase]) -> list[tuple[str, int]]:
     """(reason, how many combinations it skipped), the most frequent first."""
     return Counter(s.reason for s in skipped).most_common()
 
 
-def skipped_table(skipped: Sequence[SkippedCase]) -> Table:
-    """The plan's combinations that did not run, one row per reason."""
+def skipped_table(skipped: Sequence[SkippedCase], compact: bool = False) -> Table:
+    """The plan's combinations that did not run, one row per reason.
+
+    `compact` (for narrow terminals): the checks, impls and fixtures share one column, a line
+    each, and the count's header is shorter.
+    """
     table = Table(
         title="planned combinations not run (see --json for each one)", title_justify="left"
     )
-    for column in ("reason", "combinations", "checks", "impls", "fixtures"):
-        table.add_column(column, justify="right" if column == "combinations" else "left")
+    columns = (
+        ("reason", "count", "checks / impls / fixtures")
+        if compact
+        else ("reason", "combinations", "checks", "impls", "fixtures")
+    )
+    for column in columns:
+        right = column in ("combinations", "count")
+        table.add_column(column, justify="right" if right else "left", no_wrap=right)
     for reason, count in skip_reasons(skipped):
         mine = [s for s in skipped if s.reason == reason]
-        table.add_row(
-            escape(reason),
-            str(count),
+        where = [
             ", ".join(sorted({s.check for s in mine})),
             ", ".join(sorted({s.impl for s in mine})),
             ", ".join(sorted({s.fixture for s in mine})),
-        )
+        ]
+        table.add_row(escape(reason), str(count), *(["\n".join(where)] if compact else where))
     return table
+
+
+def print_skipped(console: Console, skipped: Sequence[SkippedCase]) -> None:
+    """`skipped_table`, in the layout that fits the console."""
+    console.print(fitted(console, skipped_table(skipped), lambda: skipped_table(skipped, True)))
 
 
 def summary_line(
@@ -161,14 +247,16 @@ def summary_line(
 ) -> str:
     """One line: rows, failures, the verdict, what the plan did not run and why, wall time."""
     failed = sum(not r.ok for r in rows)
+    not_run = sum(not r.ok and r.not_run for r in rows)
     accidental = sum(not get_scheme(r.scheme).intended for r in rows if r.ok)
     if not rows:
         verdict = "[red]FAILED: nothing was checked[/]"
     else:
         verdict = "[green]OK[/]" if not failed else "[red]FAILED[/]"
+    could_not_run = f", {not_run} of them could not be run" if not_run else ""
     line = (
-        f"{len(rows)} rows, {failed} failed ({accidental} rows of accidental schemes behaved "
-        f"as the accident predicts): {verdict}"
+        f"{len(rows)} rows, {failed} failed{could_not_run} ({accidental} rows of accidental "
+        f"schemes behaved as the accident predicts): {verdict}"
     )
     if skipped:
         reasons = skip_reasons(skipped)
@@ -193,12 +281,15 @@ def write_json(
         "skipped": [s.to_json() for s in skipped],
         "results": [r.to_json() for r in rows],
     }
+    # The CLI checked up front that the directory can be created: create it.
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
 
 
 def write_update_log(path: Path, metrics: Iterable[tuple[Case, RankMetrics]]) -> int:
     """One JSON record per rank per update; returns the number of records."""
     count = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as log:
         for case, m in metrics:
             record = {

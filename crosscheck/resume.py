@@ -80,7 +80,7 @@ def compare_resume(case: ResumeCase, output: ResumeOutput, settings: TrainSettin
     vs_oracle = tree_rel_err(output.resumed, expected)
     worst = max(vs_self, vs_oracle, key=lambda e: e.max_rel_err)
     rtol = RTOL_BY_DTYPE[case.dtype]
-    return _row(
+    return resume_row(
         case,
         max_rel_err=worst.max_rel_err,
         ok=worst.max_rel_err <= rtol,
@@ -91,7 +91,10 @@ def compare_resume(case: ResumeCase, output: ResumeOutput, settings: TrainSettin
     )
 
 
-def _row(case: ResumeCase, *, max_rel_err: float, ok: bool, detail: str) -> CaseResult:
+def resume_row(
+    case: ResumeCase, *, max_rel_err: float, ok: bool, detail: str, not_run: bool = False
+) -> CaseResult:
+    """The case's resume row; `not_run` when the case raised or never came back."""
     stop = f"stop after {case.stop_after_updates}"
     if case.stop_after_microbatches:
         stop += f"+{case.stop_after_microbatches}mb"
@@ -109,6 +112,7 @@ def _row(case: ResumeCase, *, max_rel_err: float, ok: bool, detail: str) -> Case
         ok=ok,
         reference=f"uninterrupted run and oracle after {case.num_updates} updates",
         detail=detail,
+        not_run=not_run,
     )
 
 
@@ -140,11 +144,12 @@ def _run_impl(
 ) -> None:
     def on_done(case: ResumeCase, result: ResumeOutput | BaseException) -> None:
         if isinstance(result, BaseException):
-            row = _row(
+            row = resume_row(
                 case,
                 max_rel_err=float("inf"),
                 ok=False,
                 detail=f"{type(result).__name__}: {result}",
+                not_run=True,
             )
         else:
             row = compare_resume(case, result, settings)

@@ -26,14 +26,23 @@ from the float64 oracle (`crosscheck.optimizers.train`, one update, no clipping,
 The export is deterministic: the .npz members are written with a fixed zip timestamp, in
 sorted order, little-endian, uncompressed; the JSON has sorted keys and Python's shortest
 round-trip float repr. Two exports on the same machine are byte-identical.
+
+It never mixes itself into someone else's files: a directory that is not empty is refused
+(`ExportDirectoryError`) unless ``force=True`` (``--force``), and then only the export's own
+files are replaced (those the previous manifest lists and those this export writes); every
+other file is left alone. Each file is written under a temporary name and renamed into place,
+the manifest last, so an interrupted export leaves the old manifest or the new one, never half
+of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import io
 import json
+import os
 import zipfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -164,14 +173,30 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
     return np.asarray(array, dtype=array.dtype.newbyteorder("<"), order="C")
 
 
-def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
-    """Write `arrays` as an uncompressed .npz that is byte-identical for equal input.
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` under a temporary name in the same directory, then rename it.
+
+    A reader (or an export interrupted half-way) sees the old file or the new one, never part
+    of one; the temporary file is removed if the write fails or is interrupted.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def npz_bytes(arrays: Mapping[str, np.ndarray]) -> bytes:
+    """`arrays` as an uncompressed .npz that is byte-identical for equal input.
 
     np.savez stamps every member with the current time; here each member ``<key>.npy`` (npy
     format 1.0, little-endian, C order) gets a fixed date, fixed attributes, sorted order.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as archive:
         for key in sorted(arrays):
             buffer = io.BytesIO()
             np.lib.format.write_array(
@@ -182,6 +207,12 @@ def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
             info.create_system = 3  # unix, whatever the writing platform
             info.external_attr = 0o644 << 16
             archive.writestr(info, buffer.getvalue())
+    return out.getvalue()
+
+
+def write_npz(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write `arrays` to `path` as `npz_bytes` does, atomically (`write_atomic`)."""
+    write_atomic(path, npz_bytes(arrays))
 
 
 def _file_record(
@@ -239,14 +270,93 @@ class VectorExport:
     num_bytes: int
 
 
-def export_vectors(directory: str | Path, config: AdamWConfig | None = None) -> VectorExport:
-    """Write every built-in fixture and its expected vectors under `directory`.
+class ExportDirectoryError(ValueError):
+    """The export directory cannot take the export: not empty (without force), or a file."""
 
-    Existing files of the same names are overwritten; nothing else in `directory` is touched
-    (the manifest, not a directory listing, says which files belong to the export).
+
+#: The top-level entries an export writes: only files under these are ever replaced or
+#: removed on the say-so of a previous manifest.
+EXPORT_ENTRIES: tuple[str, ...] = ("fixtures", "expected", MANIFEST_NAME)
+
+
+def _listing(names: list[str], limit: int = 4) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_export_directory(directory: str | Path, force: bool = False) -> None:
+    """Raise `ExportDirectoryError` unless `directory` may take an export.
+
+    It may when it does not exist yet or is empty, or, with `force`, when it is any
+    directory. Nothing is written or created here.
     """
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise ExportDirectoryError(f"{directory} is a file, not a directory")
+    if force or not directory.is_dir():
+        return
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir())
+    if names:
+        raise ExportDirectoryError(
+            f"{directory} is not empty (it holds {_listing(names)}): pass --force "
+            "(force=True) to replace the export's own files there; files it did not write are "
+            "left alone"
+        )
+
+
+def _previous_files(directory: Path) -> set[Path]:
+    """The files a previous export's manifest lists, where they lie under `directory` and
+    inside the export's own entries (a manifest is not trusted to name anything else)."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+        records = [*manifest["fixtures"], *manifest["vectors"]]
+        paths = [Path(str(record["path"])) for record in records]
+    except (OSError, ValueError, KeyError, TypeError):  # not ours, or not readable: none
+        return set()
+    root = directory.resolve()
+    files = set()
+    for relative in paths:
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            continue
+        if relative.parts[0] not in EXPORT_ENTRIES[:2]:
+            continue
+        path = (directory / relative).resolve()
+        if path.is_relative_to(root) and path.is_file():
+            files.add(directory / relative)
+    return files
+
+
+def _remove_stale(directory: Path, stale: set[Path]) -> None:
+    """Remove a previous export's files that this export did not write, then the folders
+    they leave empty (never `directory` itself, never a folder holding anything else)."""
+    for path in sorted(stale):
+        with contextlib.suppress(OSError):
+            path.unlink()
+    for folder in sorted({p.parent for p in stale}, key=lambda p: -len(p.parts)):
+        while folder != directory and directory in folder.parents:
+            try:
+                folder.rmdir()  # only an empty folder goes
+            except OSError:
+                break
+            folder = folder.parent
+
+
+def export_vectors(
+    directory: str | Path, config: AdamWConfig | None = None, *, force: bool = False
+) -> VectorExport:
+    """Write every built-in fixture and its expected vectors under `directory`.
+
+    `directory` must not exist, or be empty: a directory holding anything is refused with
+    `ExportDirectoryError` (naming what it holds), before anything is written, unless `force`.
+    With `force`, the export replaces only its own files: those the previous manifest lists
+    (the ones this export does not write again are removed) and those it writes; any other
+    file stays as it was. Every file is written under a temporary name and renamed into
+    place, the manifest last: an interrupted export leaves the old manifest or the new one.
+    """
+    directory = Path(directory)
+    check_export_directory(directory, force)
     config = AdamWConfig() if config is None else config
+    previous = _previous_files(directory) if force else set()
     fixtures, vectors, written = [], [], []
     for name in BUILTIN_FIXTURES:
         fixture = builtin_fixture(name)
@@ -281,8 +391,11 @@ def export_vectors(directory: str | Path, config: AdamWConfig | None = None) -> 
     manifest = _manifest(fixtures, vectors, config)
     manifest_path = directory / MANIFEST_NAME
     text = json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=True) + "\n"
-    manifest_path.write_bytes(text.encode("ascii"))
+    write_atomic(manifest_path, text.encode("ascii"))
     written.append(manifest_path)
+    # Only now, with the new manifest in place: until here the old one still describes the
+    # files it lists that are not yet replaced.
+    _remove_stale(directory, previous - set(written))
     return VectorExport(
         manifest=manifest,
         manifest_path=manifest_path,
@@ -353,3 +466,119 @@ def _manifest(
         "fixtures": fixtures,
         "vectors": vectors,
     }
+
+
+# ---- reading an export back ---------------------------------------------------------------
+
+
+class VectorFileError(ValueError):
+    """An exported file or manifest that cannot be used; the message names the file and key."""
+
+
+#: Keys every manifest holds, and every file record of each kind.
+MANIFEST_KEYS: tuple[str, ...] = ("format", "format_version", "keys", "fixtures", "vectors")
+_RECORD_KEYS: dict[str, tuple[str, ...]] = {
+    "fixture": ("path", "bytes", "sha256", "keys", "name", "sizes", "layouts"),
+    "expected": ("path", "bytes", "sha256", "keys", "fixture", "scheme", "R", "M"),
+}
+_KIND_KEYS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "fixture": FIXTURE_KEYS,
+    "expected": EXPECTED_KEYS,
+}
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of an export in `directory`, checked for what a reader relies on.
+
+    Raises VectorFileError naming the file and the problem: missing, not JSON (a truncated
+    write), another format or version, a missing top-level key, or a file record (in
+    ``fixtures`` or ``vectors``) without one of its keys.
+    """
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise VectorFileError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise VectorFileError(
+            f"{path}: not valid JSON at line {exc.lineno}, column {exc.colno} "
+            f"(a truncated or hand-edited manifest?): {exc.msg}"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise VectorFileError(f"{path}: a manifest is a JSON object, got {type(manifest).__name__}")
+    for key in MANIFEST_KEYS:
+        if key not in manifest:
+            raise VectorFileError(f"{path}: missing key {key!r}")
+    if manifest["format"] != FORMAT_NAME or manifest["format_version"] != FORMAT_VERSION:
+        raise VectorFileError(
+            f"{path}: format {manifest['format']!r} version {manifest['format_version']!r}; "
+            f"this reader knows {FORMAT_NAME!r} version {FORMAT_VERSION}"
+        )
+    for kind, list_key in (("fixture", "fixtures"), ("expected", "vectors")):
+        records = manifest[list_key]
+        if not isinstance(records, list):
+            raise VectorFileError(f"{path}: {list_key!r} must be a list of file records")
+        for index, record in enumerate(records):
+            if not isinstance(record, dict):
+                raise VectorFileError(f"{path}: {list_key}[{index}] is not a file record")
+            for key in _RECORD_KEYS[kind]:
+                if key not in record:
+                    label = record.get("path", "no path")
+                    raise VectorFileError(
+                        f"{path}: {list_key}[{index}] ({label}) is missing key {key!r}"
+                    )
+    return manifest
+
+
+def read_vector_file(
+    directory: str | Path, record: Mapping[str, Any], kind: str
+) -> dict[str, np.ndarray]:
+    """The arrays of one exported file (`kind` "fixture" or "expected"), checked against its
+    manifest `record`: size and sha256 (a truncated copy fails here, by name), then every
+    key's presence, shape and dtype.
+
+    Raises VectorFileError naming the file and, where it is about one, the key.
+    """
+    if kind not in _KIND_KEYS:
+        raise ValueError(f"kind must be one of {list(_KIND_KEYS)}, got {kind!r}")
+    path = Path(directory) / record["path"]
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise VectorFileError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if len(data) != record["bytes"]:
+        raise VectorFileError(
+            f"{path}: {len(data)} bytes, the manifest says {record['bytes']}: the file is "
+            "truncated or was replaced"
+        )
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise VectorFileError(f"{path}: sha256 differs from the manifest's: the file changed")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+            arrays = {key: archive[key] for key in archive.files}
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile) as exc:
+        raise VectorFileError(f"{path}: not a readable .npz: {type(exc).__name__}: {exc}") from None
+    expected = _KIND_KEYS[kind]
+    missing, extra = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+    if missing:
+        raise VectorFileError(f"{path}: missing key {missing[0]!r}")
+    if extra:
+        raise VectorFileError(
+            f"{path}: unexpected key {extra[0]!r} (a {kind} file holds {list(expected)})"
+        )
+    listed = record["keys"]
+    for key in expected:
+        entry = listed.get(key) if isinstance(listed, Mapping) else None
+        if entry is None:
+            raise VectorFileError(f"{path}: the manifest lists no key {key!r} for this file")
+        array = arrays[key]
+        if list(array.shape) != list(entry.get("shape", [])) or array.dtype.str != entry.get(
+            "dtype"
+        ):
+            raise VectorFileError(
+                f"{path}: key {key!r} is {array.dtype.str} {list(array.shape)}, the manifest "
+                f"says {entry.get('dtype')} {entry.get('shape')}"
+            )
+    return arrays

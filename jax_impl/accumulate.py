@@ -211,3 +211,36 @@ def rank_gradients(
         global_denominator=D,
         loss=total_loss_sum / safe_denominator(D),
     )
+
+
+@jax.jit
+def microbatch_finiteness(
+    params: Params, batch: Microbatch, scheme: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per (rank, microbatch) of an [R, M, B, T] batch: is its loss sum finite, and is its own
+    gradient (local, before any reduction) finite? Two [R, M] bool arrays.
+
+    A diagnosis, run outside the step and only after the step's result held a NaN or inf
+    (`jax_impl.update.check_finite`): inside the step the microbatches' values are summed and
+    reduced before anything leaves the program, so where a NaN first appeared is recomputed
+    here. The R M microbatches run one after another (``lax.map``): one gradient is live at a
+    time, as in the step. `scheme` is the int32 scheme index the steps take.
+    """
+    terms = scheme_terms(scheme, batch.targets, batch.segment_ids, batch.weights)
+    R, M = batch.targets.shape[:2]
+
+    def flat(x: jax.Array) -> jax.Array:
+        return jnp.reshape(x, (R * M, *x.shape[2:]))
+
+    loss_and_grad = jax.value_and_grad(weighted_loss_sum)
+
+    def one(xs: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        loss_sum, grads = loss_and_grad(params, *xs)
+        grads_finite = jnp.all(
+            jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
+        )
+        return jnp.isfinite(loss_sum), grads_finite
+
+    xs = (flat(batch.inputs), flat(batch.targets), flat(terms.token_weights))
+    loss_finite, grads_finite = jax.lax.map(one, xs)
+    return loss_finite.reshape(R, M), grads_finite.reshape(R, M)

@@ -5,10 +5,15 @@ complete updates and, for a stop inside a window, the per-rank partial sums) as 
 composite item: ``state`` (arrays, written by orbax's StandardCheckpointHandler) and ``meta``
 (JSON: scheme, strategy, layout, dtype, a fingerprint of the global batch, progress).
 
-Atomicity is orbax's: a save writes ``<name>.orbax-checkpoint-tmp-<timestamp>/`` and renames it
-to ``<name>/`` only after every file is written (finalize-by-rename), so ``<name>`` exists only
-as a complete checkpoint. `restore_checkpoint` checks that before reading a byte, and refuses a
-temporary directory by name: a save that died half-way is never resumed from.
+Atomicity is orbax's (local paths use its AtomicRenameTemporaryPath): a save writes
+``<name>.orbax-checkpoint-tmp/`` and renames it to ``<name>/`` only after every item in it is
+written and finalized (finalize-by-rename), so ``<name>`` exists only as a complete checkpoint.
+`check_finalized` checks that before reading a byte, and refuses a temporary directory by
+name: a save that died half-way is never resumed from. A process killed in the middle of a
+save (SIGKILL, even right before the final rename: tests/test_jax_hardening.py) leaves every
+earlier checkpoint as it was, loadable, and the resume from it exact to the bit; a later save
+of the same name removes the leftover temporary directory first (orbax does) and starts over.
+(Durability across a power loss is not claimed: nothing is fsynced.)
 
 Arrays are saved and restored as numpy (host) arrays, so restoring needs no particular device
 count: a checkpoint taken between updates at world size R resumes at any other R'.

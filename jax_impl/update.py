@@ -6,6 +6,13 @@ the optimizer do not depend on the batch layout, so they are not recompiled with
 applies to the gradient of the whole update, after accumulation over microbatches and
 reduction over ranks, never per microbatch (clipping each microbatch is transformers#986 and
 gpt-jax#2 with optax.apply_every).
+
+Inside a compiled step nothing can raise, so a NaN or inf is looked for after it, outside jit
+(`check_finite`): one ``isfinite`` reduction over the reduced gradient and a look at the [R]
+per-rank loss sums, per update. Only when one is not finite does a diagnosis pass recompute
+each (rank, microbatch)'s loss sum and local gradient (`accumulate.microbatch_finiteness`) to
+name where it first appeared; `NonFiniteError` says so. The ready-made update (`with_optimizer`)
+runs the check before the optimizer step unless ``StepConfig(check_finite=False)``.
 """
 
 from __future__ import annotations
@@ -17,9 +24,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from jax_impl.accumulate import Collective, RankGradientsFn, Strategy, rank_gradients
+from jax_impl.accumulate import (
+    Collective,
+    RankGradientsFn,
+    Strategy,
+    microbatch_finiteness,
+    rank_gradients,
+)
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params
 from jax_impl.schemes import Scheme
@@ -31,6 +45,9 @@ class StepConfig:
 
     `gradients` replaces the intended per-rank gradient (a reproduced bug such as
     ``jax_impl.accidental.rank_mean_gradients``); `reduce_factor` overrides s in precount.
+    `check_finite`: the ready-made update raises `NonFiniteError` (naming the rank and
+    microbatch) instead of stepping the optimizer on a NaN or inf; it costs one host sync
+    per update (turn it off to keep updates dispatching asynchronously).
     """
 
     optimizer: optax.GradientTransformation
@@ -40,6 +57,7 @@ class StepConfig:
     reduce_factor: float | None = None
     axis_name: str = "data"
     gradients: RankGradientsFn | None = None
+    check_finite: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategy", Strategy(self.strategy))
@@ -179,6 +197,85 @@ def apply_optimizer(
     return UpdateResult(params, opt_state, reduced.grads, metrics)
 
 
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf in an update's loss or gradient; the message names the rank and microbatch
+    where it first appeared (the microbatches run in order, every rank at once)."""
+
+
+@jax.jit
+def _tree_finite(tree: Params) -> jax.Array:
+    """One bool: every leaf of `tree` is finite (one reduction, one host sync to read it)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    """A (possibly multi-process) array as numpy; every process must call this together."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _params_hint(params: Params) -> str:
+    bad = [name for name, value in params.items() if not bool(_tree_finite({name: value}))]
+    if bad:
+        return f"the params hold NaN or inf in {', '.join(sorted(bad))}"
+    return "the params are finite, so a logit or a loss overflowed (params too large?)"
+
+
+def describe_non_finite(
+    reduced: ReducedGradients,
+    params: Params,
+    batch: Microbatch,
+    scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
+) -> str:
+    """Where a non-finite update's NaN or inf first appeared, in words (the diagnosis pass)."""
+    loss_ok, grad_ok = (
+        _to_host(x) for x in microbatch_finiteness(params, batch, scheme_index(scheme))
+    )
+    R, M = loss_ok.shape
+    # Time order: microbatch m runs on every rank before microbatch m + 1 anywhere.
+    bad = [(r, m) for m in range(M) for r in range(R) if not (loss_ok[r, m] and grad_ok[r, m])]
+    hint = _params_hint(params)
+    if not bad:
+        D = _to_host(reduced.global_denominator)
+        return (
+            "the update's gradient or loss holds NaN or inf, but every microbatch's loss sum "
+            "and local gradient is finite: it appeared when they were summed over microbatches "
+            f"and ranks, or divided by D = {D.item()!r}; {hint}"
+        )
+    r, m = bad[0]
+    what = "loss sum" if not loss_ok[r, m] else "gradient (local, before any reduction)"
+    listing = ", ".join(f"rank {r2} microbatch {m2}" for r2, m2 in bad[:8])
+    more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+    return (
+        f"non-finite {what} first at rank {r}, microbatch {m} (of R={R} ranks x M={M} "
+        f"microbatches; affected: {listing}{more}); {hint}"
+    )
+
+
+def check_finite(
+    reduced: ReducedGradients,
+    params: Params,
+    batch: Microbatch,
+    scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
+) -> None:
+    """Raise NonFiniteError when an update's gradient, loss or per-rank loss sums hold a NaN or
+    inf, naming the rank and microbatch where it first appeared; call outside jit.
+
+    The happy path costs one ``isfinite`` reduction over the gradient and reading R + 1
+    scalars; the diagnosis pass (`describe_non_finite`) runs only when something is wrong.
+    `params` and `batch` are the ones the update was given ([R, M, B, T]).
+    """
+    finite = bool(_tree_finite(reduced.grads)) and bool(
+        np.isfinite(_to_host(reduced.rank_loss_sums)).all()
+        and np.isfinite(_to_host(reduced.loss)).all()
+    )
+    if not finite:
+        raise NonFiniteError(describe_non_finite(reduced, params, batch, scheme))
+
+
 def single_config(sweep: SweepFn) -> GradientsFn:
     """gradients(params, ...) of a sweep built from one config: its only result."""
 
@@ -192,6 +289,7 @@ def with_optimizer(gradients: GradientsFn, config: StepConfig) -> UpdateFn:
     """update(params, opt_state, batch, scheme, constant_normalizer=0.0) -> UpdateResult.
 
     `gradients(params, batch, scheme, constant_normalizer)` is a front-end's reduced gradient.
+    With ``config.check_finite`` a NaN or inf raises NonFiniteError before the optimizer step.
     """
 
     def update(
@@ -202,6 +300,8 @@ def with_optimizer(gradients: GradientsFn, config: StepConfig) -> UpdateFn:
         constant_normalizer: float = 0.0,
     ) -> UpdateResult:
         reduced = gradients(params, batch, scheme, constant_normalizer)
+        if config.check_finite:
+            check_finite(reduced, params, batch, scheme)
         return apply_optimizer(reduced, params, opt_state, config)
 
     return update

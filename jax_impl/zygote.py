@@ -21,6 +21,19 @@ args, env, cwd, stdout, stderr and status paths); the zygote answers one JSON li
 same id and the child's pid, or an error. When a child exits, the zygote writes its exit code
 to the request's status file (atomically) before reaping it, so the pid cannot be reused
 while the client may still signal it. A closed stdin stops the zygote.
+
+Process groups: the zygote is started in a session of its own, and every child it forks leads
+a process group of its own (``setsid`` in the child, ``setpgid`` in the zygote too, so the group
+exists before the client learns the pid): `jax_impl.launch` kills a worker's group, with
+whatever the worker started, and registers the zygote's so that `jax_impl.launch.terminate_all`
+stops it too.
+
+Where it runs: only where the platform has what it uses (`unavailable` says why not): ``fork``,
+``os.waitid`` with ``P_ALL``, ``WNOHANG``, ``WEXITED`` and ``WNOWAIT`` (macOS has no
+``os.waitid``), ``setsid``, ``setpgid`` and ``killpg``; and not when the environment variable
+``GRADWEIGHT_NO_FORK_SERVERS`` is set to anything but "" or "0" (a switch meant for every fork
+server of the project). Where it does not run, the client refuses to start one (`ZygoteError`)
+and the harness starts plain processes instead: slower, not different.
 """
 
 from __future__ import annotations
@@ -40,14 +53,47 @@ import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from jax_impl import launch
+
 #: Seconds the client waits for the zygote to answer a request (a fork takes milliseconds).
 REPLY_TIMEOUT_S = 30.0
+#: Set to anything but "" or "0", no fork server is used: plain processes instead.
+NO_FORK_SERVERS_ENV = "GRADWEIGHT_NO_FORK_SERVERS"
+#: What the zygote needs of `os`: fork, the non-reaping wait of `_reap`, and process groups.
+_REQUIRED_OS = (
+    "fork",
+    "waitid",
+    "P_ALL",
+    "WNOHANG",
+    "WEXITED",
+    "WNOWAIT",
+    "CLD_EXITED",
+    "setsid",
+    "setpgid",
+    "killpg",
+)
 #: How often the zygote looks for exited children while it waits for requests.
 _REAP_INTERVAL_S = 0.02
 
 
 class ZygoteError(RuntimeError):
     """The zygote could not start, refused to serve, or did not answer in time."""
+
+
+def platform_unsupported() -> str:
+    """Why this platform cannot run the zygote ('' when it can): the `os` names it lacks."""
+    missing = [name for name in _REQUIRED_OS if not hasattr(os, name)]
+    if missing:
+        return f"this platform lacks {', '.join('os.' + name for name in missing)}"
+    return ""
+
+
+def unavailable(env: Mapping[str, str] | None = None) -> str:
+    """Why no zygote may be used here ('' when one may): the switch, or the platform."""
+    switch = (os.environ if env is None else env).get(NO_FORK_SERVERS_ENV, "")
+    if switch not in ("", "0"):
+        return f"fork servers are turned off ({NO_FORK_SERVERS_ENV}={switch})"
+    return platform_unsupported()
 
 
 class ZygoteChild:
@@ -94,13 +140,18 @@ class ZygoteChild:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie does not (init may never reap an orphan of the zygote)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):  # no /proc (macOS), or it exited meanwhile
+        return True
 
 
 class Zygote:
@@ -113,6 +164,9 @@ class Zygote:
     def __init__(
         self, preload: Sequence[str], env: Mapping[str, str], log_path: str | Path
     ) -> None:
+        why_not = unavailable()
+        if why_not:
+            raise ZygoteError(f"no zygote: {why_not}")
         self._lock = threading.Lock()
         self._log_path = Path(log_path)
         with self._log_path.open("ab") as log:  # the child keeps its own copy of the fd
@@ -122,7 +176,9 @@ class Zygote:
                 stdout=subprocess.PIPE,
                 stderr=log,
                 env=dict(env),
+                start_new_session=True,  # a group of its own, like every worker
             )
+        launch.register_group(self._process, server=True)
         self._reply_buffer = b""
         self._next_id = 0
         try:
@@ -137,6 +193,11 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return self._process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """The zygote's pid (also its process group's id)."""
+        return self._process.pid
 
     def spawn(
         self,
@@ -204,7 +265,8 @@ class Zygote:
         return json.loads(line)
 
     def close(self) -> None:
-        """Stop the zygote (its running children finish on their own)."""
+        """Stop the zygote, within 15 s. Its running children are not its to stop: each is
+        killed, with its process group, by the `run_workers` that asked for it."""
         with contextlib.suppress(OSError):
             if self._process.stdin is not None:
                 self._process.stdin.close()
@@ -212,7 +274,9 @@ class Zygote:
             self._process.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             self._process.kill()
-            self._process.wait(timeout=5.0)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=5.0)
+        launch.stop_groups([self._process], wait_s=5.0)  # forgets it once it is gone
         with contextlib.suppress(OSError):
             if self._log_path.stat().st_size == 0:  # nothing went wrong: leave nothing behind
                 self._log_path.unlink()
@@ -236,6 +300,11 @@ def _child(request: dict) -> None:
     """In the forked child: become ``python -m module args`` and exit with its status."""
     code = 1
     try:
+        # A group of our own, so that killing it kills what the worker starts too. The zygote
+        # makes us a group leader as well (setpgid), which fails setsid: then the group it
+        # made is ours, and a session of our own is only a nicety.
+        with contextlib.suppress(OSError):
+            os.setsid()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
         os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
@@ -289,6 +358,10 @@ def _reap(children: dict[int, str]) -> None:
 
 def serve(preload: Sequence[str]) -> int:
     """Import `preload`, then fork a child per request on stdin until stdin closes."""
+    why_not = platform_unsupported()
+    if why_not:  # the client checks too; a zygote started anyway must not fail its first job
+        _write({"ready": False, "error": why_not})
+        return 3
     for module in preload:
         importlib.import_module(module)
     threads = _thread_count()
@@ -318,6 +391,10 @@ def serve(preload: Sequence[str]) -> int:
                 continue
             if pid == 0:
                 _child(request)
+            # The child's group exists before the client learns its pid (the child's own
+            # setsid may not have run yet): a kill of the group can never miss it.
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)
             children[pid] = request["status"]
             _write({"id": request["id"], "pid": pid})
     # stdin closed: the client is gone or done. Children already running finish on their own.

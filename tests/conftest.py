@@ -3,9 +3,16 @@
 JAX reads XLA_FLAGS once, at import: eight fake CPU devices must be requested before any test
 module imports jax, so it happens here, first. Tests that need them check `jax.device_count()`
 and fail (never skip) when the devices are missing.
+
+Every process the suite starts inherits a session marker; at the end the suite checks that
+none of them is still alive (tests/process_audit.py) and fails otherwise.
 """
 
 import os
+import uuid
+
+import pytest
+from process_audit import SESSION_MARKER, leaks
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -13,3 +20,15 @@ os.environ["XLA_FLAGS"] = (
 # Keep numpy/BLAS to one thread per process: the multi-process tests start several processes
 # on a 2-core machine, and oversubscribed BLAS threads only make them slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ[SESSION_MARKER] = uuid.uuid4().hex
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when a process it started outlived its test (see process_audit)."""
+    problems = leaks(os.environ[SESSION_MARKER])
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        lines = ["processes left behind by the test session:", *problems]
+        if reporter is not None:
+            reporter.write_line("\n".join(lines), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

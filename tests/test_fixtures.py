@@ -119,6 +119,11 @@ def test_fixture_arrays_are_read_only():
         ("nan_weight", "weight nan at row 0, position 0"),
         ("shape", "weights has shape"),
         ("transposed_unembed", "unembed must be \\[H, V\\]"),
+        ("target_below_ignore", "target -101 at row 1, position 2 is neither -100"),
+        ("negative_segment", "negative segment id at row 4, position 7"),
+        ("float_inputs", "inputs must be an integer array, got float64 holding whole numbers"),
+        ("integer_weights", "weights must be a floating-point array .* got int64"),
+        ("inf_param", "embed\\[2, 3\\] = inf is not finite"),
     ],
 )
 def test_validation_names_what_and_where(change, message):
@@ -146,6 +151,20 @@ def test_validation_names_what_and_where(change, message):
         arrays["weights"] = weights[:, :-1]
     elif change == "transposed_unembed":
         arrays["unembed"] = fixture.unembed.T
+    elif change == "target_below_ignore":
+        targets[1, 2] = -101
+        arrays["targets"] = targets
+    elif change == "negative_segment":
+        segments[4, 7] = -1
+        arrays["segment_ids"] = segments
+    elif change == "float_inputs":
+        arrays["inputs"] = inputs.astype(np.float64)
+    elif change == "integer_weights":
+        arrays["weights"] = np.ones(weights.shape, dtype=np.int64)
+    elif change == "inf_param":
+        embed = fixture.embed.copy()
+        embed[2, 3] = np.inf
+        arrays["embed"] = embed
     with pytest.raises(FixtureError, match=message):
         _with(fixture, **arrays)
 

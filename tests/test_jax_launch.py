@@ -30,17 +30,21 @@ def test_workers_that_succeed_return_their_status(tmp_path: Path) -> None:
 def test_a_crashed_worker_stops_the_others_at_once(tmp_path: Path) -> None:
     crash = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit('boom')"]
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"worker\(s\) \[1\] failed") as error:
+    with pytest.raises(
+        LaunchError, match=r"^worker\(s\) \[1\] failed: worker 1 \(pid \d+\) exited with 1; the"
+    ) as error:
         run_workers([SLEEPER, crash], timeout_s=120, log_dir=tmp_path)
     assert time.monotonic() - start < 15  # not the sleeper's 120 s
     assert "boom" in str(error.value) and "still running (killed)" in str(error.value)
+    assert error.value.failed == {1: 1} and not error.value.timed_out
 
 
 def test_a_hung_worker_is_killed_at_the_deadline(tmp_path: Path) -> None:
     start = time.monotonic()
-    with pytest.raises(LaunchError, match=r"still running after 1 s"):
+    with pytest.raises(LaunchError, match=r"still running after 1 s") as error:
         run_workers([SLEEPER, SLEEPER], timeout_s=1, log_dir=tmp_path)
     assert time.monotonic() - start < 15
+    assert error.value.timed_out and error.value.failed == {}
 
 
 def test_a_crashed_jax_distributed_process_does_not_hang_its_peer(tmp_path: Path) -> None:
@@ -60,5 +64,7 @@ def test_a_crashed_jax_distributed_process_does_not_hang_its_peer(tmp_path: Path
         launch_multiprocess(
             spec, 2, tmp_path / "run", timeout_s=120, extra_xla_flags=RUNNER_XLA_FLAGS
         )
+    assert "worker 1 (pid " in str(error.value) and ") exited with 3" in str(error.value)
     assert "failing on purpose" in str(error.value)
+    assert error.value.failed == {1: 3}
     assert time.monotonic() - start < 60

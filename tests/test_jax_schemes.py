@@ -158,6 +158,19 @@ def test_bad_input_names_what_and_where() -> None:
     with pytest.raises(ValueError, match=rf"segment_ids\[{valid_row}, {valid_pos}\] = 0"):
         jax_impl.validate_global_batch(batch, V)
     batch["segment_ids"][valid_row, valid_pos] = 1
+    # Laid out, the message also says which rank and microbatch hold the row.
+    batch["weights"][5, 2] = -1.0
+    with pytest.raises(
+        ValueError,
+        match=r"weights\[5, 2\] = -1\.0 is not finite and >= 0 \(rank 1, microbatch 0, row 1 "
+        r"of that microbatch\)",
+    ):
+        jax_impl.lay_out_global_batch(batch, 2, 2, vocab_size=V)
+    batch["weights"][5, 2] = 1.0
+    with pytest.raises(ValueError, match="targets must be integers, got float64 holding whole"):
+        jax_impl.validate_global_batch(dict(batch, targets=batch["targets"] * 1.0), V)
+    with pytest.raises(ValueError, match="weights must be floating point"):
+        jax_impl.validate_global_batch(dict(batch, weights=np.ones((8, 64), np.int32)), V)
     with pytest.raises(ValueError, match="8 rows cannot be split over world_size=3"):
         jax_impl.lay_out_global_batch(batch, 3, 1, vocab_size=V)
     with pytest.raises(ValueError, match="unknown scheme 'token-mean'"):

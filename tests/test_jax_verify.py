@@ -4,7 +4,8 @@ Each example step of examples/ runs once, in one worker, over the same three job
 gradient is compared with the oracle: the token-weighted loop is the token mean, the pmap loop
 the rank mean and the MultiSteps loop the microbatch mean. The broken steps of
 tests/jax_verify_steps.py check that every failure becomes a StepError that names the job and
-the cause, within a bounded time, and that a hang or a crash keeps the jobs finished before it.
+the cause, within the time limit plus `jax_verify.TIMEOUT_GRACE_S`, and that a hang or a crash
+keeps the jobs finished before it (the hung job timed out, the later ones not run).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def test_each_broken_job_gets_a_step_error_naming_it(misbehaving: tuple, job: Ve
     assert MISBEHAVING in message, message
     for part in MISBEHAVIOUR[job]:
         assert part in message, message
-    assert elapsed < SHORT_TIMEOUT_S + 30
+    assert elapsed < SHORT_TIMEOUT_S + jax_verify.TIMEOUT_GRACE_S
 
 
 def test_a_traceback_shows_the_users_frames_only(misbehaving: tuple) -> None:
@@ -140,13 +141,17 @@ def test_a_hang_is_killed_and_the_finished_jobs_keep_their_results(in_root: None
     outcomes, elapsed = _timed_run(
         "tests.jax_verify_steps:hangs_on_ragged", [*done, hung, never_ran], SHORT_TIMEOUT_S
     )
-    assert elapsed < SHORT_TIMEOUT_S + 30
+    # The whole run, not each job, is bounded: the limit plus the stated grace.
+    assert SHORT_TIMEOUT_S <= elapsed < SHORT_TIMEOUT_S + jax_verify.TIMEOUT_GRACE_S
     for job in done:
         assert _err(_grads(outcomes[job], job), job, "token_mean") < FLOAT64_RTOL
-    for job, says in [(hung, "still running this job"), (never_ran, "this job never ran")]:
+    for job, status, says in [
+        (hung, "timed out", "still running this job"),
+        (never_ran, "not run", "this job never ran"),
+    ]:
         message = str(outcomes[job])
         assert isinstance(outcomes[job], StepError), message
-        assert message.startswith(f"{job.describe()}: "), message
+        assert message.startswith(f"{job.describe()}: {status}: "), message
         assert f"did not finish within {SHORT_TIMEOUT_S:g} s" in message, message
         assert says in message, message
     assert f"running {hung.describe()}" in str(outcomes[never_ran])
@@ -164,7 +169,7 @@ def test_a_step_that_cannot_be_imported_fails_every_job(
     in_root: None, step: str, cause: str
 ) -> None:
     outcomes, elapsed = _timed_run(step, JOBS, SHORT_TIMEOUT_S)
-    assert elapsed < SHORT_TIMEOUT_S + 30
+    assert elapsed < SHORT_TIMEOUT_S + jax_verify.TIMEOUT_GRACE_S
     assert list(outcomes) == JOBS
     for job, error in outcomes.items():
         assert isinstance(error, StepError), error

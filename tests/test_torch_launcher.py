@@ -25,9 +25,11 @@ from torch_impl.optimizers import OptimizerSpec
 from torch_impl.schemes import token_mean
 from torch_impl.update import accumulate_postnorm
 
-# Spawning two ranks that import torch takes ~5 s on the 2-core CI machine; everything past
-# that is the launcher's own detection (immediate for a raise, <= 2 s grace for a silent death).
-FAILURE_BOUND_S = 45.0
+# Starting the fork server (its first import of torch) takes 2-10 s on the 2-core CI machine,
+# forking two ranks from it well under a second; everything past that is the launcher's own
+# detection, immediate for a raise and for a silent death alike (the rank's report file is
+# written before it exits, so an exit without one is final), then the stop of the other rank.
+FAILURE_BOUND_S = 30.0
 
 
 def _bad_token_update(rank: int, world_size: int) -> list:
@@ -117,8 +119,9 @@ def test_hung_rank_hits_the_launch_deadline() -> None:
     elapsed = time.monotonic() - start
     assert 1 in failure.value.ranks
     assert "did not finish within 8 s" in str(failure.value)
-    # The deadline plus the terminate-then-kill of the processes (at most a few seconds).
-    assert elapsed < timeout_s + 10, f"took {elapsed:.1f} s"
+    # The deadline plus the stop (SIGTERM, SIGKILL after 2 s, 2 s for it to land): the
+    # launch's stated bound. SIGTERM ends a sleeping rank at once.
+    assert elapsed < timeout_s + 4, f"took {elapsed:.1f} s"
 
 
 def test_launch_rejects_an_empty_world() -> None:

@@ -119,6 +119,14 @@ def _bad_batch(**changes) -> dict[str, np.ndarray]:
             {"segment_ids": (3, 0, 0)},
             "rank 0, microbatch 1, row 1 (global row 3), position 0: valid target in segment 0",
         ),
+        (
+            {"segment_ids": (4, 9, -3)},
+            "rank 1, microbatch 0, row 0 (global row 4), position 9: segment id -3 is negative",
+        ),
+        (
+            {"targets": (6, 2, -101)},
+            "rank 1, microbatch 1, row 0 (global row 6), position 2: target -101 is neither -100",
+        ),
     ],
 )
 def test_bad_input_names_rank_microbatch_row_position(change: dict, message: str) -> None:
@@ -138,8 +146,12 @@ def test_layout_errors_say_what_and_why() -> None:
     with pytest.raises(BatchError, match="rank 2 is not in a world of size 2"):
         rank_microbatches(batch, 2, 2, 1)
     floats = dict(batch, targets=batch["targets"].astype(np.float64))
-    with pytest.raises(BatchError, match="targets must be integers"):
+    with pytest.raises(BatchError, match="targets must be integers, got float64 holding whole"):
         rank_microbatches(floats, 0, 1, 1)
+    with pytest.raises(BatchError, match="weights must be floating point"):
+        rank_microbatches(dict(batch, weights=np.ones((8, 64), dtype=np.int64)), 0, 1, 1)
+    with pytest.raises(BatchError, match=r"inputs has shape \(8, 63\), targets have \(8, 64\)"):
+        rank_microbatches(dict(batch, inputs=batch["inputs"][:, :-1]), 0, 2, 1)
 
 
 def test_case_options_are_checked_up_front() -> None:

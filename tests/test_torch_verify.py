@@ -1,7 +1,8 @@
 """`crosscheck.runners.torch_verify.run`: the example steps against the oracle, and every way a
 step can fail giving a StepError that names the job and the cause, within a bounded time.
 
-Each test is one call of `run` (one launch per world size: launches cost seconds). The
+Each test is one call of `run` (one launch per world size, and a fresh one after a job that
+failed: forking ranks from the warm fork server costs a fraction of a second). The
 example steps run from the repository root (``examples.*``); the broken ones from ``tests/``
 (``verify_steps``, ``verify_broken_step``), so the ranks must find them through the caller's
 working directory.
@@ -28,10 +29,11 @@ JOBS = [
     VerifyJob(fixture="ragged", world_size=2, accum_steps=1),
     VerifyJob(fixture="ragged", world_size=1, accum_steps=2),
 ]
-#: The failure tests' job time limit: small, so a hang costs little.
+#: The failure tests' time limit for the whole run: small, so a hang costs little.
 TIMEOUT_S = 10.0
-#: What a failing call may take at most: the limit, plus start-up on a busy machine.
-BOUND_S = TIMEOUT_S + 30.0
+#: What a failing call may take at most: the runner's stated bound (the limit, plus start-up
+#: and clean-up).
+BOUND_S = TIMEOUT_S + torch_verify.GRACE_S
 
 
 def run_in(
@@ -91,7 +93,9 @@ def test_a_step_raising_on_one_rank_fails_its_job_only() -> None:
     assert 'verify_steps.py", line' in message
     assert "raise_on_rank1_when_accumulating" in message
     assert "user_step.py" not in message
-    # The other ranks skipped it together: the jobs around it are unharmed.
+    # Rank 0, left in the step's all-reduce, was stopped by its watcher, and the job after it
+    # ran in a fresh process group: the jobs around it are unharmed.
+    assert "(rank 0 was stopped while still in the step, after rank 1 failed;" in message
     for job in (jobs[0], jobs[2]):
         assert rel_err(results[job], job, "token_mean") <= FLOAT64_RTOL, job.describe()
     assert elapsed < BOUND_S
@@ -131,7 +135,8 @@ def test_a_step_hanging_on_every_rank_times_out() -> None:
     skipped = step_error(results[jobs[1]])
     assert skipped.startswith("ragged R=2 M=1: not run: ")
     assert "packed R=2 M=1" in skipped and "did not finish" in skipped
-    assert elapsed < BOUND_S
+    # The step had its whole time limit, and the run ended within the stated grace after it.
+    assert TIMEOUT_S <= elapsed < BOUND_S
 
 
 def test_a_collective_only_rank_1_enters_times_out_and_the_launch_recovers() -> None:
@@ -146,7 +151,7 @@ def test_a_collective_only_rank_1_enters_times_out_and_the_launch_recovers() -> 
         f"packed R=2 M=2: rank 1: a collective did not finish within {collective_s:g} s"
     )
     assert "hang_in_collective_on_rank1" in message
-    # The ranks rebuilt their process group: the next job's collectives line up again.
+    # A fresh process group ran the next job: its collectives line up again.
     assert rel_err(results[jobs[1]], jobs[1], "token_mean") <= FLOAT64_RTOL
     assert elapsed < BOUND_S
 

@@ -22,7 +22,7 @@ from crosscheck.cases import TrainSettings
 from crosscheck.matrix import run_matrix
 from crosscheck.plan import Plan
 from crosscheck.schemes import SCHEMES
-from crosscheck.vectors import MANIFEST_NAME, export_vectors
+from crosscheck.vectors import MANIFEST_NAME, ExportDirectoryError, export_vectors
 
 RTOL = 1e-12
 IGNORE = -100
@@ -268,3 +268,12 @@ def test_torch_and_jax_reproduce_the_vectors(exported):
     assert covered == {(impl, s) for impl in plan.impls for s in SCHEMES}
     # seed: (1,1), (1,2), (2,1); packed adds (2,2): every case of the plan came back.
     assert len(run.outputs) == len(plan.cases()) > 50
+
+
+def test_the_api_refuses_a_non_empty_directory_before_writing_anything(tmp_path):
+    (tmp_path / "results.csv").write_text("a user's file")
+    with pytest.raises(ExportDirectoryError, match=r"is not empty \(it holds results\.csv\)"):
+        export_vectors(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]
+    with pytest.raises(ExportDirectoryError, match="is a file, not a directory"):
+        export_vectors(tmp_path / "results.csv", force=True)

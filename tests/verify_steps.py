@@ -138,3 +138,19 @@ def averaged_grads_logged(model: nn.Module, microbatches: Microbatches) -> None:
 def averaged_grads_unlogged(model: nn.Module, microbatches: Microbatches) -> None:
     """The same gradient as `averaged_grads_logged`, with nothing logged."""
     _summed_loss_backward(model, microbatches, _global_count(microbatches))
+
+
+def cli_signal_child_then_hang(model: nn.Module, microbatches: Microbatches) -> None:
+    """Starts a child process (a data-loader worker, say), then never returns, on every rank.
+
+    For tests/test_cli_hardening.py: SIGTERM or Ctrl-C to ``python -m crosscheck verify`` must
+    leave neither the ranks nor this child alive. The child's command line carries
+    ``gradweight-cli-hang-child`` so that the test can see it has started.
+    """
+    import subprocess  # here, not at the top: appended to a shared module
+    import sys
+
+    subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)", "gradweight-cli-hang-child"]
+    )
+    time.sleep(600)

@@ -4,7 +4,8 @@ A global batch is four [N, T] arrays: ``inputs``, ``targets`` (IGNORE_INDEX = -1
 token has no loss), ``segment_ids`` (packed documents; 0 = padding) and ``weights`` (soft
 per-token weights). Under a layout (R, M) rank r holds rows [r N/R, (r+1) N/R), split again into
 M equal microbatches of B = N / (R M) rows. Validation errors name the rank, the microbatch,
-and the row (within the microbatch and in the global batch) and position of the first bad token.
+and the row (within the microbatch and in the global batch) and position of the first bad token;
+wrong keys, shapes and dtypes are refused with the array's name before anything is split.
 """
 
 from __future__ import annotations
@@ -23,6 +24,44 @@ BATCH_KEYS: tuple[str, ...] = ("inputs", "targets", "segment_ids", "weights")
 
 class BatchError(ValueError):
     """A microbatch that breaks the contract; the message says where."""
+
+
+#: Token ids and segment ids: any integer dtype (bool is refused: a mask is not an id).
+_ID_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+
+def _tensor_not_ids(key: str, tensor: torch.Tensor) -> str | None:
+    """Why `tensor` cannot hold ids, or None when its dtype is an integer one."""
+    if tensor.dtype in _ID_DTYPES:
+        return None
+    if tensor.is_floating_point():
+        whole = torch.isfinite(tensor) & (tensor == torch.round(tensor))
+        if bool(whole.all()):
+            return (
+                f"{key} must be an integer tensor, got {tensor.dtype} holding whole numbers: "
+                "convert it with .long()"
+            )
+        return f"{key} must be an integer tensor, got {tensor.dtype} with non-integer values"
+    return f"{key} must be an integer tensor, got {tensor.dtype}"
+
+
+def _array_not_ids(key: str, array: np.ndarray) -> str | None:
+    """Why a numpy `array` cannot hold ids, or None when its dtype is an integer one."""
+    if np.issubdtype(array.dtype, np.integer):
+        return None
+    if np.issubdtype(array.dtype, np.floating):
+        whole = np.isfinite(array) & (array == np.round(array))
+        if whole.all():
+            return (
+                f"{key} must be integers, got {array.dtype} holding whole numbers: cast it "
+                "with .astype(np.int64)"
+            )
+        row, pos = (int(i) for i in np.argwhere(~whole)[0])
+        return (
+            f"{key} must be integers, got {array.dtype} with the non-integer value "
+            f"{float(array[row, pos])!r} at global row {row}, position {pos}"
+        )
+    return f"{key} must be integers, got {array.dtype}"
 
 
 class TokenBatch(NamedTuple):
@@ -58,8 +97,14 @@ class TokenBatch(NamedTuple):
                     f"targets have {tuple(shape)}"
                 )
         for key in ("inputs", "targets", "segment_ids"):
-            if getattr(self, key).is_floating_point():
-                raise BatchError(f"{self.where}: {key} must be integers")
+            problem = _tensor_not_ids(key, getattr(self, key))
+            if problem is not None:
+                raise BatchError(f"{self.where}: {problem}")
+        if not self.weights.is_floating_point():
+            raise BatchError(
+                f"{self.where}: weights must be a floating-point tensor (soft per-token "
+                f"weights), got {self.weights.dtype}"
+            )
         self._check(
             (self.inputs < 0) | (self.inputs >= vocab_size),
             lambda r, t: f"input token {int(self.inputs[r, t])} is outside [0, {vocab_size})",
@@ -71,7 +116,10 @@ class TokenBatch(NamedTuple):
                 f"nor in the vocabulary [0, {vocab_size})"
             ),
         )
-        self._check(self.segment_ids < 0, lambda r, t: "segment id is negative")
+        self._check(
+            self.segment_ids < 0,
+            lambda r, t: f"segment id {int(self.segment_ids[r, t])} is negative",
+        )
         self._check(
             self.valid & (self.segment_ids == 0),
             lambda r, t: (
@@ -99,9 +147,12 @@ def rank_microbatches(
     """Rank `rank`'s M microbatches of a global batch of [N, T] numpy arrays.
 
     Rows [r N/R, (r+1) N/R) belong to rank r, in M consecutive slices of B = N/(R M) rows.
-    ``torch.tensor`` copies each slice (fixture arrays are read-only numpy arrays).
+    ``torch.tensor`` copies each slice (fixture arrays are read-only numpy arrays). Keys, shapes
+    and dtypes of the whole batch are checked first (BatchError naming the array); the token
+    values of each microbatch are checked by `TokenBatch.validate`, with their position.
     """
-    num_rows = int(np.asarray(batch["targets"]).shape[0])
+    arrays = _checked_arrays(batch)
+    num_rows = int(arrays["targets"].shape[0])
     if not 0 <= rank < world_size or accum_steps < 1:
         raise BatchError(
             f"rank {rank} is not in a world of size {world_size}, or accum_steps={accum_steps} < 1"
@@ -112,14 +163,11 @@ def rank_microbatches(
             f"x accum_steps={accum_steps}: {num_rows} is not divisible by "
             f"{world_size * accum_steps}"
         )
-    for key in ("inputs", "targets", "segment_ids"):
-        if not np.issubdtype(np.asarray(batch[key]).dtype, np.integer):
-            raise BatchError(f"{key} must be integers, got {np.asarray(batch[key]).dtype}")
     rows = num_rows // (world_size * accum_steps)
     out = []
     for step in range(accum_steps):
         start = (rank * accum_steps + step) * rows
-        part = {key: np.asarray(batch[key])[start : start + rows] for key in BATCH_KEYS}
+        part = {key: arrays[key][start : start + rows] for key in BATCH_KEYS}
         out.append(
             TokenBatch(
                 inputs=torch.tensor(part["inputs"], dtype=torch.long),
@@ -132,3 +180,29 @@ def rank_microbatches(
             )
         )
     return out
+
+
+def _checked_arrays(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The four global arrays, refused by name when a key is missing or a shape or dtype is
+    wrong: a silent cast (float ids to long, integer weights to float64) would hide the slip,
+    and a mismatched shape would only fail later, per microbatch, on the wrong message."""
+    missing = [key for key in BATCH_KEYS if key not in batch]
+    if missing:
+        raise BatchError(f"the batch is missing {missing}; a batch holds {list(BATCH_KEYS)}")
+    arrays = {key: np.asarray(batch[key]) for key in BATCH_KEYS}
+    shape = arrays["targets"].shape
+    if len(shape) != 2:
+        raise BatchError(f"targets must be [N, T], got shape {shape}")
+    for key, array in arrays.items():
+        if array.shape != shape:
+            raise BatchError(f"{key} has shape {array.shape}, targets have {shape}")
+    for key in ("inputs", "targets", "segment_ids"):
+        problem = _array_not_ids(key, arrays[key])
+        if problem is not None:
+            raise BatchError(problem)
+    if not np.issubdtype(arrays["weights"].dtype, np.floating):
+        raise BatchError(
+            f"weights must be floating point (soft per-token weights), got "
+            f"{arrays['weights'].dtype}; cast it with .astype(np.float64)"
+        )
+    return arrays

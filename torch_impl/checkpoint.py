@@ -14,8 +14,9 @@ Atomic: every rank writes into a staging directory ``.<name>.incomplete`` beside
 every rank's file is written and fsynced, rank 0 writes the manifest and renames the staging
 directory to ``<dir>`` in one ``rename(2)``. A save that dies at any point leaves only the
 staging directory, which nothing loads (``latest_checkpoint`` skips it, ``load_checkpoint``
-names it), and the next save of that name clears it. The manifest's checksums catch a rank
-file that was truncated or altered after the save.
+names it), and the next save of that name clears it (tests/test_torch_hardening.py SIGKILLs a
+rank halfway through its file: the previous checkpoint stays the latest and resumes exactly).
+The manifest's checksums catch a rank file that was truncated or altered after the save.
 
 Loading for a resume, possibly at another world size, is ``torch_impl.resume``.
 """

@@ -34,13 +34,27 @@ An update can also stop inside its accumulation window (``accumulate_partial``) 
 later, in fresh processes, from a ``PartialAccumulation`` plus the restored local ``.grad``
 (``resume=``): the checkpoint resume of ``torch_impl.checkpoint``. Both paths run the same
 microbatch loop in the same order, so a resumed update is the uninterrupted one, bit for bit.
+
+Before anything else, every update runs a pre-check (``_precheck``): each rank validates its
+microbatches, then one small all-reduce, waited on for at most ``PRECHECK_TIMEOUT_S``, tells
+every rank whether every batch was valid and how many microbatches each rank holds. A bad
+token is then reported on every rank (its rank, microbatch, row and position), and ranks
+given different numbers of microbatches fail with ``RankMismatchError`` naming every rank's
+count, instead of one rank stopping while the others wait in a collective for it.
+
+Inside the loop, each microbatch's loss sum is checked before its backward (a float the loop
+reads anyway) and the gradients after it (one ``isfinite`` reduction over the parameters): the
+first NaN or inf raises ``NonFiniteError`` naming the rank and microbatch where it appeared,
+and whether the params themselves hold one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -48,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_impl.batch import TokenBatch
+from torch_impl.batch import BatchError, TokenBatch
 from torch_impl.comm_hooks import PostnormState
 from torch_impl.exact_carry import all_ranks_values
 from torch_impl.model import _full
@@ -59,6 +73,21 @@ from torch_impl.schemes import (
     global_denominator,
     microbatch_loss,
 )
+
+#: How long the pre-check of an update waits for every rank to reach it. Ranks arrive within
+#: moments of each other (the previous update ended in a collective); this bounds the wait for
+#: one that failed or hangs instead of blocking for the process group's own timeout.
+PRECHECK_TIMEOUT_S = 60.0
+#: How long a rank with a valid batch waits before raising for another rank's bad batch.
+PEER_REPORT_DELAY_S = 1.0
+
+
+class RankMismatchError(ValueError):
+    """The ranks hold different numbers of microbatches for one update (the message lists them)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf in a loss sum or gradient; the message names the rank and microbatch."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,10 +156,119 @@ def _over_or_zero(numerator: float, denominator: float) -> float:
 
 
 def _validate(microbatches: Sequence[TokenBatch], vocab_size: int) -> None:
-    # Before any collective: a bad token fails on its own rank, with its position, before any
-    # rank waits on it.
     for batch in microbatches:
         batch.validate(vocab_size)
+
+
+def _precheck(
+    microbatches: Sequence[TokenBatch],
+    vocab_size: int,
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+) -> None:
+    """Validate this rank's microbatches, then agree on them with every rank, first thing.
+
+    One all-reduce of R x 2 float64 (each rank's M and whether its batch is valid, in its own
+    slot: the sum adds only zeros to each), waited on for at most `timeout_s`:
+
+    * a bad batch raises its BatchError (rank, microbatch, row, position) on its own rank, and
+      every other rank, ``PEER_REPORT_DELAY_S`` later, a BatchError quoting it: nobody waits in
+      the next collective for a rank that stopped;
+    * different numbers of microbatches raise RankMismatchError on every rank, naming every
+      rank's count: otherwise one rank's synchronizing backward would meet another's
+      (DDP: a silently wrong update; FSDP2: a deadlock in the extra forward's all-gather);
+    * a rank that does not arrive (it failed before, hangs, or runs fewer updates) is a
+      TimeoutError after `timeout_s`, not a wait for the process group's timeout.
+
+    Without a process group only the validation runs.
+    """
+    error: BatchError | None = None
+    try:
+        _validate(microbatches, vocab_size)
+    except BatchError as exc:
+        error = exc
+    if not (dist.is_available() and dist.is_initialized()):
+        if error is not None:
+            raise error
+        return
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    status = torch.zeros(world_size, 2, dtype=torch.float64)
+    status[rank, 0] = len(microbatches)
+    status[rank, 1] = 0.0 if error is None else 1.0
+    work = dist.all_reduce(status, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TimeoutError(
+            f"rank {rank}: not every one of the {world_size} ranks reached the start of this "
+            f"update within {timeout_s:g} s (a rank that failed, hangs, or runs fewer updates)"
+        ) from exc
+    counts = [int(count) for count in status[:, 0].tolist()]
+    bad = [r for r, flag in enumerate(status[:, 1].tolist()) if flag]
+    if bad:
+        # Every rank now knows that some batch is bad, so all of them take part in this second
+        # exchange (only on this failure path), and every rank can say what is wrong and where.
+        messages: list[str | None] = [None] * world_size
+        dist.all_gather_object(messages, None if error is None else str(error), group=group)
+        if error is not None:
+            raise error
+        # Let the rank holding the bad batch report first: a launcher that names the first
+        # rank to fail (torch_impl.launcher) then names the root cause, not its echo here.
+        time.sleep(PEER_REPORT_DELAY_S)
+        raise BatchError(
+            f"rank {rank}: stopping, rank(s) {', '.join(map(str, bad))} hold bad input; "
+            f"rank {bad[0]} reports: {messages[bad[0]]}"
+        )
+    if len(set(counts)) > 1:
+        listing = ", ".join(f"rank {r}: {count}" for r, count in enumerate(counts))
+        raise RankMismatchError(
+            f"rank {rank}: the ranks hold different numbers of microbatches for this update "
+            f"({listing}); every rank must accumulate the same number, since each rank's last "
+            "microbatch is the one whose backward all-reduces the gradient"
+        )
+
+
+def _rank_of(microbatches: Sequence[TokenBatch], step: int) -> int:
+    """This process's rank for messages: the process group's, else the batch's own record."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return microbatches[step].rank
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a sharded DTensor's local shard (no collective)."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _non_finite_grad(model: nn.Module) -> str | None:
+    """The name of the first parameter whose gradient holds a NaN or inf, or None.
+
+    One ``isfinite`` pass over the gradients and one host sync per call: small next to the
+    backward pass that produced them. Sharded gradients are checked shard by shard (local).
+    """
+    named = [
+        (name, _local(p.grad))
+        for name, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    ]
+    if not named:
+        return None
+    finite = torch.stack([torch.isfinite(grad).all() for _, grad in named])
+    if bool(finite.all()):
+        return None
+    return named[int(torch.nonzero(~finite)[0])][0].rsplit(".", 1)[-1]
+
+
+def _params_hint(model: nn.Module) -> str:
+    """Whether the params themselves hold a NaN or inf (only computed on the failure path)."""
+    bad = [
+        name.rsplit(".", 1)[-1]
+        for name, p in model.named_parameters()
+        if not bool(torch.isfinite(_local(p.detach())).all())
+    ]
+    if bad:
+        return f"the params hold NaN or inf in {', '.join(bad)}"
+    return "the params are finite, so a logit or a loss overflowed (params too large?)"
 
 
 def _precount_counts(
@@ -182,10 +320,19 @@ def _backward_microbatches(
     d, loss, valid = start.local_denominator, start.local_loss_sum, start.local_valid_tokens
     last = len(microbatches) - 1
     for step in range(start.microbatches_done, stop):
+        where = f"rank {_rank_of(microbatches, step)}, microbatch {step}"
         with sync_context(model, step == last):
             out = microbatch_loss(model, microbatches[step], scheme, vocab_size)
+            loss_value = float(out.weighted_sum.detach())
+            if not math.isfinite(loss_value):
+                # Before the backward and before postnorm's hook is armed: a NaN must not
+                # reach the gradient, the carried d or another rank.
+                raise NonFiniteError(
+                    f"{where}: the loss sum (sum of a_t l_t) is {loss_value!r}; "
+                    f"{_params_hint(model)}"
+                )
             d += out.denominator
-            loss += float(out.weighted_sum.detach())
+            loss += loss_value
             valid += out.valid_tokens
             if hook_state is not None and step == last:
                 # Known before the last backward: the hook reads them while reducing.
@@ -193,6 +340,21 @@ def _backward_microbatches(
             # weighted_sum is float64 (accumulation_dtype) and so is scale = s / D: the product
             # is rounded to the params' dtype once, token by token, in the backward pass.
             (out.weighted_sum if scale is None else out.weighted_sum * scale).backward()
+        bad = _non_finite_grad(model)
+        if bad is not None:
+            if step == last:
+                # This backward all-reduced the gradient: the NaN may be another rank's.
+                origin = (
+                    "which all-reduced it across ranks; this rank's loss sums and its "
+                    "gradient before this microbatch were finite, so the NaN or inf came from "
+                    "this microbatch's backward here or on another rank"
+                )
+            else:
+                origin = f"local, not yet reduced, though its loss sum {loss_value!r} is finite"
+            raise NonFiniteError(
+                f"{where}: the gradient of {bad} holds NaN or inf after this microbatch's "
+                f"backward ({origin}); {_params_hint(model)}"
+            )
     return dataclasses.replace(
         start,
         microbatches_done=stop,
@@ -211,13 +373,16 @@ def accumulate_precount(
     reduce_factor: float,
     group: dist.ProcessGroup | None = None,
     resume: PartialAccumulation | None = None,
+    precheck_timeout_s: float = PRECHECK_TIMEOUT_S,
 ) -> Accumulated:
     """precount: all-reduce d first, then backpropagate (sum a_t l_t) * s / D, s = reduce_factor.
 
     With `resume`, the update continues where ``accumulate_partial`` stopped; the caller has
-    restored that run's local ``.grad``.
+    restored that run's local ``.grad``. Bad input, unequal microbatch counts and a rank that
+    does not arrive fail in the pre-check (module docstring); a NaN or inf loss sum or
+    gradient raises NonFiniteError naming the rank and microbatch.
     """
-    _validate(microbatches, vocab_size)
+    _precheck(microbatches, vocab_size, group, precheck_timeout_s)
     start = starting_point(resume, "precount", len(microbatches))
     start, D = _precount_counts(microbatches, scheme, start, group)
     # s / D in float64, never in the params' dtype: D past 2^24 (or 256 in bf16) would round.
@@ -250,14 +415,16 @@ def accumulate_postnorm(
     vocab_size: int,
     hook_state: PostnormState,
     resume: PartialAccumulation | None = None,
+    precheck_timeout_s: float = PRECHECK_TIMEOUT_S,
 ) -> Accumulated:
     """postnorm: backpropagate sum a_t l_t; the hook sums and carries d; divide by D after.
 
     `model` must be a DDP model with ``sum_and_carry_hook`` registered with `hook_state`.
     With `resume`, the update continues where ``accumulate_partial`` stopped; the caller has
     restored that run's local ``.grad``, and the partial sums of d carry on from `resume`.
+    The pre-check and the non-finite checks are precount's, over the hook's process group.
     """
-    _validate(microbatches, vocab_size)
+    _precheck(microbatches, vocab_size, hook_state.process_group, precheck_timeout_s)
     start = starting_point(resume, "postnorm", len(microbatches))
     _backward_microbatches(
         model,
@@ -316,11 +483,13 @@ def accumulate_partial(
     reduce_factor: float | None = None,
     group: dist.ProcessGroup | None = None,
     resume: PartialAccumulation | None = None,
+    precheck_timeout_s: float = PRECHECK_TIMEOUT_S,
 ) -> PartialAccumulation:
     """Run only the first `num_microbatches` (< M) of an update and stop, mid-window.
 
     Every one of them runs without gradient sync, so ``.grad`` holds this rank's local,
-    unreduced accumulation and nothing has crossed ranks except precount's count collective.
+    unreduced accumulation and nothing has crossed ranks except the pre-check (every rank's M
+    and validity) and precount's count collective.
     That, plus the returned sums, is what a mid-accumulation checkpoint saves; passing the
     result as ``resume=`` to ``accumulate_precount``/``accumulate_postnorm`` (after restoring
     ``.grad``) finishes the update.
@@ -330,7 +499,7 @@ def accumulate_partial(
             f"a partial update stops after 1 to {len(microbatches) - 1} of its "
             f"{len(microbatches)} microbatches, got {num_microbatches}"
         )
-    _validate(microbatches, vocab_size)
+    _precheck(microbatches, vocab_size, group, precheck_timeout_s)
     start = starting_point(resume, strategy, num_microbatches)
     scale = None
     if strategy == "precount":

@@ -15,35 +15,29 @@ which for SGD with learning rate 1 is exactly the gradient it applied (up to one
 
 Ranks report through files in ``status_dir``, not the launcher's return value, so a finished
 job keeps its result when a later one brings the launch down: ``job{i}-rank{r}.pkl`` (a
-:class:`RankOutcome`), ``job{i}-rank{r}.watchdog`` (``faulthandler``'s stack dump when the job
-ran past ``timeout_s``; the watchdog then ends the rank, so a hung step costs one job's time)
-and ``import-rank{r}.txt`` (why the step could not be imported; no job runs then).
+:class:`RankOutcome`), ``job{i}-rank{r}.failed`` (written after it when the outcome is an
+error), ``job{i}-rank{r}.watchdog`` (a header, then ``faulthandler``'s stack dump when the
+launch's deadline passed in that job; the watchdog then ends the rank), ``import-rank{r}.txt``
+(why the step could not be imported; no job runs then) and ``ready.txt`` (when the ranks were
+ready to run the first job: the harness counts the step's time from there).
 
-After each job the ranks wait for each other's outcome files. A job that failed on any rank
-may have left the ranks' collectives out of step (one rank raised while another waited in an
-all-reduce), so then every rank replaces the default process group with a fresh one before the
-next job. A peer left waiting in a collective by a rank that raised fails at the group's
-collective timeout (destroying, aborting or shutting down a gloo group does not close its
-sockets while a DDP reducer still holds it, so it cannot be woken sooner).
+Time and failures (`torch_impl.step_watch`): every job must end by a deadline the ranks agree
+on, or a watchdog dumps the rank's stack and ends it; a rank still in the step after a peer
+failed the job is stopped by a watcher thread, so a failed job ends the launch within
+``PEER_GRACE_S``, not at the collective timeout. After a failed job every rank returns; the
+harness starts a fresh process group for the jobs that remain.
 """
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import functools
-import gc
 import importlib
 import inspect
 import os
-import pickle
 import re
 import sys
-import sysconfig
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +50,27 @@ from torch.nn.parallel import DistributedDataParallel
 from torch_impl.batch import BATCH_KEYS, rank_microbatches
 from torch_impl.model import PARAM_NAMES, BilinearLM
 
+# Re-exported: the harness (crosscheck.runners.torch_verify) reads the status files by these.
+from torch_impl.step_watch import PEER_GRACE_S as PEER_GRACE_S
+from torch_impl.step_watch import (
+    PeerWatcher,
+    agree_deadline,
+    frame_line,
+    is_user_file,
+    wait_for_peers,
+    watchdog,
+)
+from torch_impl.step_watch import WatchdogDump as WatchdogDump
+from torch_impl.step_watch import describe_watchdog_dump as describe_watchdog_dump
+from torch_impl.step_watch import failed_path as failed_path
+from torch_impl.step_watch import outcome_path as outcome_path
+from torch_impl.step_watch import read_watchdog as read_watchdog
+from torch_impl.step_watch import ready_path as ready_path
+from torch_impl.step_watch import watchdog_path as watchdog_path
+
 #: Error kinds of a RankOutcome, most telling first: the harness reports the first it finds.
-RAISED, RESULT, TIMEOUT, PEER = "raised", "result", "timeout", "peer"
-_POLL_S = 0.01
+#: STOPPED: the watcher ended a rank that was still in the step after a peer failed.
+RAISED, RESULT, TIMEOUT, PEER, STOPPED = "raised", "result", "timeout", "peer", "stopped"
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -97,13 +109,13 @@ class UserStepConfig:
     cwd: str
     #: Where outcomes, watchdog dumps and rendezvous files go (the harness removes it).
     status_dir: str
-    #: Each job must finish on a rank within this, or the watchdog ends the rank.
-    timeout_s: float
-    #: The process group's timeout (also for the groups rebuilt after a failed job).
+    #: ``time.monotonic()`` by which every job must be over, whatever the budget (CLOCK_MONOTONIC
+    #: is one clock for every process of the machine).
+    hard_deadline: float
+    #: Seconds of step time this launch may use, counted from when the ranks are ready.
+    budget_s: float
+    #: The process group's timeout.
     collective_timeout_s: float
-    #: How long past ``timeout_s`` a rank waits for its peers' outcomes: a hung peer is ended
-    #: by its own watchdog by then and the launcher notices its exit.
-    exchange_grace_s: float = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,14 +141,6 @@ class LoadedStep:
 
 class StepResultError(ValueError):
     """The step returned, but what it left behind cannot be read as a gradient."""
-
-
-def outcome_path(status_dir: str, index: int, rank: int) -> str:
-    return os.path.join(status_dir, f"job{index}-rank{rank}.pkl")
-
-
-def watchdog_path(status_dir: str, index: int, rank: int) -> str:
-    return os.path.join(status_dir, f"job{index}-rank{rank}.watchdog")
 
 
 def import_error_path(status_dir: str, rank: int) -> str:
@@ -174,28 +178,6 @@ def load_step(spec: str, cwd: str) -> LoadedStep:
     return LoadedStep(fn, factory, takes_optimizer)
 
 
-@functools.cache
-def _internal_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {os.path.dirname(torch.__file__), os.path.dirname(__file__)}
-    dirs |= {paths["stdlib"], paths["platstdlib"]}
-    return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
-
-
-def _is_user_file(filename: str) -> bool:
-    """Whether a frame is the user's code, not torch, the standard library or this harness."""
-    if filename.startswith("<"):
-        return False
-    return not os.path.abspath(filename).startswith(_internal_dirs())
-
-
-def _frame_line(filename: str, lineno: int | str, name: str) -> str:
-    relative = os.path.relpath(filename)  # short under the working directory, else absolute
-    return (
-        f'  File "{filename if relative.startswith("..") else relative}", line {lineno}, in {name}'
-    )
-
-
 _CPP_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")
 
 
@@ -205,24 +187,11 @@ def describe_exception(error: BaseException) -> str:
     message = _CPP_LOCATION.sub("", str(error))
     lines = [f"{type(error).__name__}: {message}"]
     for frame in traceback.extract_tb(error.__traceback__):
-        if _is_user_file(frame.filename):
-            lines.append(_frame_line(frame.filename, frame.lineno or "?", frame.name))
+        if is_user_file(frame.filename):
+            lines.append(frame_line(frame.filename, frame.lineno or "?", frame.name))
             if frame.line:
                 lines.append(f"    {frame.line}")
     return "\n".join(lines)
-
-
-_DUMP_FRAME = re.compile(r'File "(?P<file>.+)", line (?P<line>\d+) in (?P<name>.+)')
-
-
-def describe_watchdog_dump(dump: str) -> str:
-    """The user's frames in a faulthandler dump (innermost first, as faulthandler writes)."""
-    frames = [
-        _frame_line(m["file"], m["line"], m["name"])
-        for m in _DUMP_FRAME.finditer(dump)
-        if _is_user_file(m["file"])
-    ]
-    return "\n".join(frames) if frames else "  (no frame of the user's code on the stack)"
 
 
 def _error_kind(error: BaseException) -> str:
@@ -355,69 +324,14 @@ def run_job(step: LoadedStep, job: UserStepJob, rank: int, world_size: int) -> R
         )
 
 
-@contextmanager
-def _watchdog(path: str, timeout_s: float) -> Iterator[None]:
-    """End this process after `timeout_s`, dumping every thread's stack to `path` first.
-
-    faulthandler's timer is a C thread that needs no GIL, so it fires in a ``time.sleep``, a
-    busy Python loop or a blocked native call alike; ending the rank lets the launcher see
-    it exit and stop the launch, where an exception could not interrupt the step.
-    """
-    with open(path, "w") as dump:
-        faulthandler.dump_traceback_later(timeout_s, exit=True, file=dump)
-        try:
-            yield
-        finally:
-            faulthandler.cancel_dump_traceback_later()
-
-
-def _new_group(config: UserStepConfig, index: int, rank: int, world_size: int) -> None:
-    """Replace the default group: a failed job may have left collectives pending in the old."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()  # the failed job's model and frames, before the new group's sockets open
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{os.path.join(config.status_dir, f'rendezvous-{index}')}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=config.collective_timeout_s),
-    )
-
-
-def _write_atomic(path: str, value: object) -> None:
-    with open(path + ".tmp", "wb") as f:
-        pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(path + ".tmp", path)
-
-
-def _wait_for_peers(
-    config: UserStepConfig, job: UserStepJob, index: int, world_size: int, deadline: float
-) -> list[RankOutcome]:
-    paths = [outcome_path(config.status_dir, index, r) for r in range(world_size)]
-    while True:
-        missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
-        if not missing:
-            break
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{job.label}: rank(s) {', '.join(map(str, missing))} reported nothing within "
-                f"{config.timeout_s + config.exchange_grace_s:g} s"
-            )
-        time.sleep(_POLL_S)
-    outcomes = []
-    for path in paths:
-        with open(path, "rb") as f:
-            outcomes.append(pickle.load(f))
-    return outcomes
-
-
 def run_user_steps(
     rank: int, world_size: int, config: UserStepConfig, jobs: list[UserStepJob]
 ) -> int:
-    """Run every job on this rank (a launcher target); outcomes go to ``config.status_dir``.
+    """Run the jobs in order on this rank (a launcher target); outcomes go to ``status_dir``.
 
-    Returns the number of jobs run: 0 when the step could not be imported.
+    Returns how many jobs it went through: all of them; fewer when one failed (on any rank:
+    that job is the last one run, the harness relaunches for the rest) or the deadline came
+    before the next could start; 0 when the step could not be imported.
     """
     if not dist.is_initialized():
         raise RuntimeError(f"rank {rank}: run_user_steps needs an initialized process group")
@@ -428,16 +342,22 @@ def run_user_steps(
             f.write(str(error))
         return 0
     # DDP's first construction imports and initializes a lot (seconds on a busy machine):
-    # paid here, every rank alike, so that a job's time limit measures the step only.
+    # paid here, every rank alike, before the step's time starts.
     DistributedDataParallel(nn.Linear(1, 1))
+    deadline = agree_deadline(config.status_dir, rank, config.hard_deadline, config.budget_s)
+    watcher = PeerWatcher(
+        config.status_dir,
+        rank,
+        world_size,
+        lambda error: RankOutcome(rank, None, error, STOPPED),
+    )
     for index, job in enumerate(jobs):
-        started = time.monotonic()
-        with _watchdog(watchdog_path(config.status_dir, index, rank), config.timeout_s):
-            outcome = run_job(step, job, rank, world_size)
-        _write_atomic(outcome_path(config.status_dir, index, rank), outcome)
-        deadline = started + config.timeout_s + config.exchange_grace_s
-        outcomes = _wait_for_peers(config, job, index, world_size, deadline)
+        if time.monotonic() >= deadline:
+            return index  # no time left to start it
+        with watchdog(watchdog_path(config.status_dir, index, rank), deadline):
+            watcher.begin(index)
+            watcher.publish(index, run_job(step, job, rank, world_size))
+            outcomes = wait_for_peers(config.status_dir, job.label, index, world_size, deadline)
         if any(o.error for o in outcomes):
-            # Every rank reads the same files, so all of them rebuild, in step.
-            _new_group(config, index, rank, world_size)
+            return index + 1  # every rank reads the same files, so all of them stop here
     return len(jobs)

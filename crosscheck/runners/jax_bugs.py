@@ -9,6 +9,7 @@ side and independently: one failing does not stop the other.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import pickle
 import sys
@@ -33,16 +34,29 @@ class JaxBugRunError(RuntimeError):
 
 
 def _launch() -> ModuleType:
-    """`jax_impl.launch`, loaded from its file alone: importing it as a submodule would run
-    ``jax_impl/__init__`` and import JAX into this process, and launch.py needs only the
-    standard library."""
-    name = "_gradweight_jax_launch"
+    """`jax_impl.launch` without importing JAX into this process.
+
+    Importing it as a submodule would run ``jax_impl/__init__`` and import JAX, and launch.py
+    needs only the standard library: unless the package is already imported, the file is
+    loaded alone, under its own name ``jax_impl.launch``. One module, whichever way it was
+    loaded, holds the registry of the process groups this process started, so
+    `jax_impl.launch.terminate_all` (and `crosscheck.processes`, which looks the module up by
+    that name) stops every JAX worker. Later ``from jax_impl.launch import ...`` statements get
+    this same module.
+    """
+    name = "jax_impl.launch"
     if name not in sys.modules:
+        if "jax_impl" in sys.modules:  # the package is there already: import as usual
+            return importlib.import_module(name)
         path = Path(__file__).resolve().parents[2] / "jax_impl" / "launch.py"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
     return sys.modules[name]
 
 

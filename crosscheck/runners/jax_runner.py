@@ -4,8 +4,10 @@ The in-process front-ends (pmap, shard_map, global jit) run in `crosscheck.runne
 with eight fake CPU devices, one worker process per front-end, world size and dtype; the
 multi-process front-end runs `jax_impl.multiprocess` on R real processes joined by
 jax.distributed over gloo, one launch per world size serving every case of that size. Every
-worker is forked from one zygote that imported JAX once (`jax_impl.zygote`), and every wait is
-bounded by `jax_impl.launch.run_workers`.
+worker is forked from one zygote that imported JAX once (`jax_impl.zygote`) where the platform
+allows it and ``GRADWEIGHT_NO_FORK_SERVERS`` is not set (else a plain process each), and every
+wait is bounded by `jax_impl.launch.run_workers`, which also kills each worker's process group
+when its launch ends.
 """
 
 from __future__ import annotations
@@ -82,33 +84,54 @@ ZYGOTE_PRELOAD = (
     "crosscheck.runners.jax_worker",
     "crosscheck.runners.jax_resume",
 )
+#: How many zygotes one process may start: one, and a replacement when it was stopped (by
+#: `jax_impl.launch.terminate_all` after an interrupt, or a crash); not one per job.
+MAX_ZYGOTE_STARTS = 5
 _zygote_lock = threading.Lock()
-_zygote_state: dict[str, Zygote | None] = {}
+
+
+class _ZygoteSlot:
+    """This process's zygote (None before the first start or after a failed one), and how
+    many were started."""
+
+    zygote: Zygote | None = None
+    starts: int = 0
+
+
+_zygote_slot = _ZygoteSlot()
 
 
 def worker_zygote() -> Zygote | None:
-    """This process's JAX zygote, started on first use; None where one cannot run.
+    """This process's JAX zygote, started on first use; None where none may run.
 
     Every JAX worker of a run is forked from it instead of importing JAX itself (about 1.3 s
-    of CPU each). Where fork is unavailable, or the zygote refuses to serve or has failed,
-    workers start afresh as before: slower, not different.
+    of CPU each). None, and workers start afresh as plain processes (slower, not different),
+    when `jax_impl.zygote.unavailable` says so (the platform lacks ``os.fork`` or
+    ``os.waitid``, as macOS does, or the environment sets ``GRADWEIGHT_NO_FORK_SERVERS=1``;
+    both are checked on every call), or when a zygote refuses to serve or fails to start. A
+    zygote that has exited since (stopped on an interrupt) is replaced, up to
+    `MAX_ZYGOTE_STARTS` starts per process.
     """
-    with _zygote_lock:
-        if "zygote" not in _zygote_state:
-            from jax_impl.zygote import Zygote
+    from jax_impl.zygote import Zygote, unavailable
 
-            zygote = None
-            if hasattr(os, "fork"):
-                log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{os.getpid()}.log"
-                try:
-                    zygote = Zygote(ZYGOTE_PRELOAD, _worker_env(), log)
-                except Exception:  # any failure to start means: no zygote, plain processes
-                    zygote = None
-                else:
-                    atexit.register(zygote.close)
-            _zygote_state["zygote"] = zygote
-        zygote = _zygote_state["zygote"]
-        return zygote if zygote is not None and zygote.alive else None
+    if unavailable():
+        return None
+    with _zygote_lock:
+        slot = _zygote_slot
+        if slot.zygote is not None and slot.zygote.alive:
+            return slot.zygote
+        if slot.starts >= MAX_ZYGOTE_STARTS:
+            return None
+        slot.starts += 1
+        log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{os.getpid()}.log"
+        try:
+            slot.zygote = Zygote(ZYGOTE_PRELOAD, _worker_env(), log)
+        except Exception:  # any failure to start means: no zygote, plain processes
+            slot.zygote = None
+            slot.starts = MAX_ZYGOTE_STARTS  # one that failed to start would fail again
+            return None
+        atexit.register(slot.zygote.close)
+        return slot.zygote
 
 
 def _worker_env() -> dict[str, str]:
@@ -193,11 +216,13 @@ def _run_multiprocess(
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-mp-") as tmp:
         work = Path(tmp)
         spec_cases = []
+        saved: dict[str, Path] = {}
         for fixture, M in batches:
-            path = work / f"{fixture}.npz"
-            if not path.exists():
-                builtin_fixture(fixture).save(path)
-            spec_cases.append({"fixture": str(path), "accum_steps": M})
+            # By index, not by name: a fixture may be a user's file path, not a short name.
+            if fixture not in saved:
+                saved[fixture] = work / f"fixture-{len(saved)}.npz"
+                builtin_fixture(fixture).save(saved[fixture])
+            spec_cases.append({"fixture": str(saved[fixture]), "accum_steps": M})
         spec = {
             "cases": spec_cases,
             "dtypes": [dtype],
