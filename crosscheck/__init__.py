@@ -1,78 +1,128 @@
 """crosscheck: does a loss weight tokens the way it should under data parallelism?
 
-The framework-neutral side of gradweight: the normalization contract (schemes), fixtures and
-layouts, the float64 oracle with its update math, comparison, diagnosis of any gradient's
-weighting, and the command line. The JAX and torch implementations live in `jax_impl` and
-`torch_impl` and are imported only when run.
+The framework-neutral side of gradweight. Its subpackages follow the data flow, each importing
+only those before it:
+
+    contract      layout, schemes, fixture type, float64 oracle, optimizers, result rows
+    fixtures      built-in fixtures, portable test vectors
+    judge         tolerances and comparison, layout invariance, clipping placement
+    diagnosis     the effective weighting of any gradient, and the name of what produced it
+    launch        processes and jobs: scheduling, stopping everything on a signal
+    run           `crosscheck run`: the matrix and its drivers
+    bugs          `crosscheck bugs`: the bug catalogue run
+    verification  `crosscheck verify`: a user's own step, judged
+    cli           the command line and its reports
+
+The public API is the names below. Verify a step::
+
+    import crosscheck
+    report = crosscheck.verify("my_pkg.train:step", framework="torch", scheme="token_mean")
+    assert report.ok, report
+
+or diagnose a gradient computed anywhere: ``crosscheck.diagnose(fixture, R, M, grads,
+"token_mean")``. For a test suite, ``crosscheck.assert_weighting`` raises AssertionError with
+the diagnosis, and the pytest plugin (`crosscheck.pytest_plugin`) offers it as a fixture.
 
 Importing `crosscheck` changes nothing global and imports nothing heavy: the names below are
 loaded from their modules on first use (PEP 562 ``__getattr__``). That is what lets
 ``python -m crosscheck`` (whose package is imported before its ``__main__``) give the
 command-line process a single BLAS thread before numpy loads, while a program that imports
-crosscheck keeps its own environment (see `crosscheck.__main__`).
+crosscheck keeps its own environment (see `crosscheck.__main__`). The JAX and torch
+implementations live in `jax_impl` and `torch_impl`, imported only when a step runs.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 #: Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
-    "BUILTIN_FIXTURES": "crosscheck.catalogue",
-    "builtin_fixture": "crosscheck.catalogue",
-    "random_fixture": "crosscheck.catalogue",
-    "FLOAT32_RTOL": "crosscheck.compare",
-    "FLOAT64_RTOL": "crosscheck.compare",
-    "assert_tree_close": "crosscheck.compare",
-    "tree_rel_err": "crosscheck.compare",
-    "Diagnosis": "crosscheck.diagnose",
-    "diagnose": "crosscheck.diagnose",
-    "Fixture": "crosscheck.fixtures",
-    "FixtureError": "crosscheck.fixtures",
-    "IGNORE_INDEX": "crosscheck.layout",
-    "LaidOutBatch": "crosscheck.layout",
-    "Layout": "crosscheck.layout",
-    "Microbatch": "crosscheck.layout",
-    "AdamWConfig": "crosscheck.optimizers",
-    "SGDConfig": "crosscheck.optimizers",
-    "clip_by_global_norm": "crosscheck.optimizers",
-    "train": "crosscheck.optimizers",
-    "OracleResult": "crosscheck.oracle",
-    "loss_and_grad": "crosscheck.oracle",
-    "log_denominator": "crosscheck.protocol",
-    "ACCIDENTAL_SCHEMES": "crosscheck.schemes",
-    "INTENDED_SCHEMES": "crosscheck.schemes",
-    "SCHEMES": "crosscheck.schemes",
-    "Scheme": "crosscheck.schemes",
-    "effective_weights": "crosscheck.schemes",
-    "get_scheme": "crosscheck.schemes",
-    # `verify` itself stays crosscheck.verify.verify: binding the function here would shadow
-    # the crosscheck.verify module for `import crosscheck.verify as ...` and for mock.patch.
-    "VerifyReport": "crosscheck.verify",
-    "assert_weighting": "crosscheck.verify",
+    # verify a training step
+    "verify": "crosscheck.verification.verifier",
+    "assert_weighting": "crosscheck.verification.verifier",
+    "Framework": "crosscheck.verification.verifier",
+    "VerifyReport": "crosscheck.verification.verifier",
+    "VerifyCase": "crosscheck.verification.verifier",
+    "StepSetupError": "crosscheck.verification.verifier",
+    "StepError": "crosscheck.verification.protocol",
+    "log_denominator": "crosscheck.verification.protocol",
+    # diagnose any gradient
+    "diagnose": "crosscheck.diagnosis.diagnose",
+    "Diagnosis": "crosscheck.diagnosis.result",
+    # the schemes: the spec of an objective's normalization
+    "Scheme": "crosscheck.contract.schemes",
+    "TokenMean": "crosscheck.contract.schemes",
+    "SequenceMean": "crosscheck.contract.schemes",
+    "RowMean": "crosscheck.contract.schemes",
+    "WeightedMean": "crosscheck.contract.schemes",
+    "Constant": "crosscheck.contract.schemes",
+    "Sum": "crosscheck.contract.schemes",
+    "RankMean": "crosscheck.contract.schemes",
+    "MicrobatchMean": "crosscheck.contract.schemes",
+    "SCHEMES": "crosscheck.contract.schemes",
+    "INTENDED_SCHEMES": "crosscheck.contract.schemes",
+    "ACCIDENTAL_SCHEMES": "crosscheck.contract.schemes",
+    "get_scheme": "crosscheck.contract.schemes",
+    "effective_weights": "crosscheck.contract.schemes",
+    # fixtures and layouts
+    "Fixture": "crosscheck.contract.fixture",
+    "FixtureError": "crosscheck.contract.fixture",
+    "IGNORE_INDEX": "crosscheck.contract.layout",
+    "LaidOutBatch": "crosscheck.contract.layout",
+    "Layout": "crosscheck.contract.layout",
+    "Microbatch": "crosscheck.contract.layout",
+    "BUILTIN_FIXTURES": "crosscheck.fixtures.builtin",
+    "builtin_fixture": "crosscheck.fixtures.builtin",
+    "random_fixture": "crosscheck.fixtures.builtin",
+    # the float64 oracle and its update
+    "loss_and_grad": "crosscheck.contract.oracle",
+    "OracleResult": "crosscheck.contract.oracle",
+    "train": "crosscheck.contract.optimizers",
+    "AdamWConfig": "crosscheck.contract.optimizers",
+    "SGDConfig": "crosscheck.contract.optimizers",
+    "clip_by_global_norm": "crosscheck.contract.optimizers",
+    # comparison
+    "tree_rel_err": "crosscheck.judge.compare",
+    "assert_tree_close": "crosscheck.judge.compare",
+    "FLOAT32_RTOL": "crosscheck.judge.compare",
+    "FLOAT64_RTOL": "crosscheck.judge.compare",
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` loads these
-    from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture, random_fixture
-    from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, tree_rel_err
-    from crosscheck.diagnose import Diagnosis, diagnose
-    from crosscheck.fixtures import Fixture, FixtureError
-    from crosscheck.layout import IGNORE_INDEX, LaidOutBatch, Layout, Microbatch
-    from crosscheck.optimizers import AdamWConfig, SGDConfig, clip_by_global_norm, train
-    from crosscheck.oracle import OracleResult, loss_and_grad
-    from crosscheck.protocol import log_denominator
-    from crosscheck.schemes import (
+    from crosscheck.contract.fixture import Fixture, FixtureError
+    from crosscheck.contract.layout import IGNORE_INDEX, LaidOutBatch, Layout, Microbatch
+    from crosscheck.contract.optimizers import AdamWConfig, SGDConfig, clip_by_global_norm, train
+    from crosscheck.contract.oracle import OracleResult, loss_and_grad
+    from crosscheck.contract.schemes import (
         ACCIDENTAL_SCHEMES,
         INTENDED_SCHEMES,
         SCHEMES,
+        Constant,
+        MicrobatchMean,
+        RankMean,
+        RowMean,
         Scheme,
+        SequenceMean,
+        Sum,
+        TokenMean,
+        WeightedMean,
         effective_weights,
         get_scheme,
     )
-    from crosscheck.verify import VerifyReport, assert_weighting
+    from crosscheck.diagnosis.diagnose import diagnose
+    from crosscheck.diagnosis.result import Diagnosis
+    from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture, random_fixture
+    from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, tree_rel_err
+    from crosscheck.verification.protocol import StepError, log_denominator
+    from crosscheck.verification.verifier import (
+        Framework,
+        StepSetupError,
+        VerifyCase,
+        VerifyReport,
+        assert_weighting,
+        verify,
+    )
 
 __all__ = [
     "ACCIDENTAL_SCHEMES",
@@ -83,16 +133,28 @@ __all__ = [
     "INTENDED_SCHEMES",
     "SCHEMES",
     "AdamWConfig",
+    "Constant",
     "Diagnosis",
     "Fixture",
     "FixtureError",
+    "Framework",
     "LaidOutBatch",
     "Layout",
     "Microbatch",
+    "MicrobatchMean",
     "OracleResult",
+    "RankMean",
+    "RowMean",
     "SGDConfig",
     "Scheme",
+    "SequenceMean",
+    "StepError",
+    "StepSetupError",
+    "Sum",
+    "TokenMean",
+    "VerifyCase",
     "VerifyReport",
+    "WeightedMean",
     "assert_tree_close",
     "assert_weighting",
     "builtin_fixture",
@@ -105,38 +167,19 @@ __all__ = [
     "random_fixture",
     "train",
     "tree_rel_err",
+    "verify",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """A public name, imported from its module on first use; or a submodule, imported (as the
-    eager imports of earlier versions made ``crosscheck.verify`` and the like available)."""
+    """A public name, imported from its module on first use."""
     module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module), name)
-        globals()[name] = value  # later look-ups are plain attribute reads
-        return value
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
 
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
-
-
-class _Package(types.ModuleType):
-    """The package module: a submodule bound as an attribute keeps an exported name.
-
-    The import system sets ``crosscheck.diagnose`` to the submodule once crosscheck.diagnose
-    is imported; the exported name is the function, as it was when this package imported it
-    eagerly. Whatever imports the submodule first, the function stays the attribute.
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -20,13 +20,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 def main() -> int:
     """Run the command line; an interrupt ends the process in bounded time (exit 130)."""
-    from crosscheck.processes import exit_bounded, interrupt_on_sigterm
+    from crosscheck.launch.processes import exit_bounded, interrupt_on_sigterm
 
     # Before the imports below (numpy, rich, the harness: a second or so), so that a SIGTERM
     # during them is an interrupt too, not a silent death by signal.
     interrupt_on_sigterm()
     try:
-        from crosscheck.cli import main as cli_main
+        from crosscheck.cli.commands import main as cli_main
         from crosscheck.exit_codes import INTERRUPTED
     except KeyboardInterrupt as error:  # nothing was started yet
         name = error.args[0] if error.args else "SIGINT"

@@ -20,7 +20,7 @@ Per command:
 
 - ``verify``: 0, 1 (some case was diagnosed as not matching the intended scheme, a non-finite
   gradient included), 2, 3 (no case mismatched, but some case could not be run or read: a
-  `crosscheck.protocol.StepError`), 130.
+  `crosscheck.verification.protocol.StepError`), 130.
 - ``bugs``: 0, 1, 2, 3 (every failure is a buggy step that could not be run, or a skew run that
   had no measured minimum because its correct run could not be run), 130.
 - ``run``: 0, 1, 2, 3 (no row mismatched, but some row could not be run: an implementation

@@ -1,7 +1,7 @@
 """One run of every buggy step of the catalogue, shared by the tests that judge them.
 
 Each launch of torch ranks or of a JAX worker costs seconds, so the catalogue runs and the
-rank-skew runs of `crosscheck.bugs` go through the real runners once per test session;
+rank-skew runs of `crosscheck.bugs.catalogue_run` go through the real runners once per test session;
 test_bug_catalogue, test_torch_bugs and test_jax_bugs each judge the same outputs their own way.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 
-from crosscheck.bugs import run_steps, skew_runs
-from crosscheck.patterns import BugOutput, BugRun, catalogue_runs
+from crosscheck.bugs.catalogue_run import run_steps, skew_runs
+from crosscheck.diagnosis.patterns import BugOutput, BugRun, catalogue_runs
 
 FRAMEWORKS = ("torch", "jax")
 

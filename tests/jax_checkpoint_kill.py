@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from crosscheck.cases import TrainSettings
-from crosscheck.runners.jax_resume import _config, _numpy, _optimizer, _problem
+from crosscheck.contract.cases import TrainSettings
+from crosscheck.run.jax_resume import _config, _numpy, _optimizer, _problem
 
 FIXTURE, SCHEME, STRATEGY, R, M, DTYPE = "packed", "token_mean", "precount", 2, 2, "float32"
 NUM_UPDATES = 3

@@ -3,7 +3,7 @@
 For each built-in fixture and every layout (R, M) its rows allow, two consecutive AdamW updates
 (and SGD for token_mean) run from the fixture's params; each update's reduced gradient, loss,
 denominator, per-rank metrics and gradient norms, and the params after it, are compared with
-`crosscheck.optimizers.train` (clip_convention="optax").
+`crosscheck.contract.optimizers.train` (clip_convention="optax").
 
 The in-process front-ends (pmap, shard_map, jit) run in one runner process per dtype, the two
 concurrently: `python tests/jax_matrix.py --dtype D --oracle O --out R.json` (float64 needs
@@ -13,7 +13,7 @@ is a traced index), and the runner processes compile with cheaper code generatio
 (RUNNER_XLA_FLAGS): these programs are tiny and compiling them is most of the run; neither
 flag changes the HLO optimization passes or floating-point semantics (no fast-math). The oracle
 is computed once by the parent and shared as a pickle. Multi-process workers
-(jax_impl.multiprocess) return raw arrays, compared here.
+(jax_impl.harness.multiprocess) return raw arrays, compared here.
 """
 
 from __future__ import annotations
@@ -42,12 +42,15 @@ from crosscheck import (
     train,
     tree_rel_err,
 )
-from crosscheck.compare import leaf_rel_err
-from crosscheck.optimizers import UpdateRecord
-from jax_impl.launch import SMALL_PROGRAM_XLA_FLAGS, run_workers
+from crosscheck.contract.optimizers import UpdateRecord
+from crosscheck.judge.compare import leaf_rel_err
+from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
-RTOL = {"float32": FLOAT32_RTOL, "float64": FLOAT64_RTOL}  # why these sizes: crosscheck.compare
+RTOL = {
+    "float32": FLOAT32_RTOL,
+    "float64": FLOAT64_RTOL,
+}  # why these sizes: crosscheck.judge.compare
 VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     "pmap": (("precount", "psum"), ("precount", "pmean"), ("postnorm", "psum")),
     "shard_map": (("precount", "psum"), ("precount", "pmean"), ("postnorm", "psum")),
@@ -316,8 +319,8 @@ def run_front_ends(
 
     One process runs all front-ends of its dtype, so pmap and shard_map share the traces of
     their common per-rank pieces and the start-up cost is paid once. Returns {dtype: records};
-    a runner that fails or outlives `timeout_s` raises jax_impl.launch.LaunchError after every
-    runner has been stopped.
+    a runner that fails or outlives `timeout_s` raises jax_impl.harness.launch.LaunchError after
+    every runner has been stopped.
     """
     commands = [
         [sys.executable, __file__, "--front-ends", ",".join(front_ends), "--dtype", dtype,

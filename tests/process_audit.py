@@ -8,7 +8,7 @@ user's step starts, even when reparented to init). At the end of the session:
    multiprocessing's resource tracker, the JAX zygote) are expected; any *other* marked
    process is a leak: a rank, a worker or a child of a step that outlived the call that
    started it;
-2. then the launchers stop their servers (`crosscheck.processes.terminate_all`), and nothing
+2. then the launchers stop their servers (`crosscheck.launch.processes.terminate_all`), and nothing
    marked may remain after a short grace.
 
 Either finding fails the session, listing every process with its command line.
@@ -26,7 +26,11 @@ from pathlib import Path
 #: The variable every process of the session inherits.
 SESSION_MARKER = "GRADWEIGHT_TEST_SESSION"
 #: Servers that live as long as the process that started them, by a part of their command line.
-SERVERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker", "jax_impl.zygote")
+SERVERS = (
+    "multiprocessing.forkserver",
+    "multiprocessing.resource_tracker",
+    "jax_impl.harness.zygote",
+)
 #: After `terminate_all`, how long the servers and their children may take to exit: it sends
 #: SIGTERM, waits 2 s, then SIGKILL.
 GRACE_S = 5.0
@@ -69,7 +73,7 @@ def leaks(marker: str) -> list[str]:
         for p in marked_processes(marker)
         if not any(server in p.command for server in SERVERS)
     ]
-    from crosscheck.processes import terminate_all
+    from crosscheck.launch.processes import terminate_all
 
     terminate_all()
     deadline = time.monotonic() + GRACE_S

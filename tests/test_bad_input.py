@@ -1,9 +1,9 @@
 """Bad input is named with what, where and why, in all three implementations (issue 13).
 
 Each implementation validates on its own (no shared code): the numpy fixture and layout
-(`crosscheck.fixtures`, `crosscheck.layout`), torch (`torch_impl.batch`, and the pre-check of
-`torch_impl.update`, on real gloo ranks) and JAX (`jax_impl.batch`). Every case asserts the
-exception type and its message: the array, the row and position (and under a layout the rank
+(`crosscheck.contract.fixture`, `crosscheck.contract.layout`), torch (`torch_impl.batch`, and the
+pre-check of `torch_impl.update`, on real gloo ranks) and JAX (`jax_impl.batch`). Every case asserts
+the exception type and its message: the array, the row and position (and under a layout the rank
 and microbatch), and why the value is refused.
 
 Then what only shows while running: a NaN or inf loss sum or gradient is reported with the rank
@@ -13,7 +13,7 @@ before any other collective, naming every rank's count, instead of deadlocking.
 
 jax_impl's multi-process worker cannot be handed different microbatch counts per process:
 every process reads the same spec (one ``accum_steps`` per case) and lays out the same global
-batch file, then takes its own rank's rows (`jax_impl.multiprocess.run_spec`).
+batch file, then takes its own rank's rows (`jax_impl.harness.multiprocess.run_spec`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 from torch.nn.parallel import DistributedDataParallel
 
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.fixtures import NPZ_KEYS, Fixture, FixtureError
-from crosscheck.layout import Layout, lay_out
+from crosscheck.contract.fixture import NPZ_KEYS, Fixture, FixtureError
+from crosscheck.contract.layout import Layout, lay_out
+from crosscheck.fixtures.builtin import builtin_fixture
 from torch_impl.batch import BATCH_KEYS, BatchError, TokenBatch, rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
-from torch_impl.launcher import RankFailedError, launch
+from torch_impl.harness.launcher import RankFailedError, launch
 from torch_impl.model import BilinearLM
 from torch_impl.schemes import get_scheme
 from torch_impl.update import (

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from bug_outputs import catalogue_outputs
 
-from crosscheck.bugs import SKEW, run_catalogue
-from crosscheck.patterns import PATTERNS
+from crosscheck.bugs.catalogue_run import SKEW, run_catalogue
+from crosscheck.diagnosis.patterns import PATTERNS
 
 RESULT_KEYS = {
     "pattern",

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from crosscheck.cli import main
+from crosscheck.cli.commands import main
 
 RESULT_KEYS = {
     "fixture",
@@ -121,7 +121,7 @@ def test_run_refuses_a_world_size_that_divides_no_named_fixture():
 
 
 def test_default_lists_are_not_explicit_and_named_ones_are():
-    from crosscheck.cli import _plan, build_parser
+    from crosscheck.cli.commands import _plan, build_parser
 
     plan = _plan(build_parser().parse_args(["run", "--impls", "oracle", "--accum", "1"]))
     assert plan.explicit == {"impls", "accum_steps"}

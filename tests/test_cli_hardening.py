@@ -28,20 +28,20 @@ import pytest
 from rich.console import Console
 
 from crosscheck import exit_codes
-from crosscheck.bug_report import catalogue_exit_code, print_catalogue
-from crosscheck.bugs import BugResult, CatalogueRun, SkewResult
-from crosscheck.cases import CaseResult, SkippedCase
-from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture
-from crosscheck.cli import main
-from crosscheck.diagnose import MAX_GRADIENT_MAGNITUDE, diagnose
-from crosscheck.oracle import loss_and_grad
-from crosscheck.patterns import PATTERNS, BugRun
-from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.report import print_results, print_skipped, run_exit_code
-from crosscheck.schemes import SCHEMES, get_scheme
-from crosscheck.vectors import MANIFEST_NAME, export_vectors
-from crosscheck.verify import StepSetupError, VerifyReport, judge, verify
-from crosscheck.verify_report import print_verify_table, verify_exit_code
+from crosscheck.bugs.catalogue_run import BugResult, CatalogueRun, SkewResult
+from crosscheck.cli.bug_report import catalogue_exit_code, print_catalogue
+from crosscheck.cli.commands import main
+from crosscheck.cli.report import print_results, print_skipped, run_exit_code
+from crosscheck.cli.verify_report import print_verify_table, verify_exit_code
+from crosscheck.contract.cases import CaseResult, SkippedCase
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.contract.schemes import SCHEMES, get_scheme
+from crosscheck.diagnosis.diagnose import MAX_GRADIENT_MAGNITUDE, diagnose
+from crosscheck.diagnosis.patterns import PATTERNS, BugRun
+from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
+from crosscheck.fixtures.vectors import MANIFEST_NAME, export_vectors
+from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
+from crosscheck.verification.verifier import StepSetupError, VerifyReport, judge, verify
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -201,7 +201,7 @@ def test_run_exits_3_only_when_every_failing_row_could_not_be_run():
 def test_a_run_whose_implementation_times_out_exits_3_and_says_so(capsys, monkeypatch, tmp_path):
     """A real torch launch that ends at its timeout: its rows could not be run (exit 3), and
     the summary counts them apart from mismatches."""
-    from crosscheck.runners import torch_runner
+    from crosscheck.run import torch_runner
 
     # Far below the launch's start-up (about 0.1 s from a warm fork server, 2 s cold): every
     # launch of this run times out; its ranks are stopped by the launcher.
@@ -234,10 +234,10 @@ def no_work_may_start(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a refused command started its work")
 
-    monkeypatch.setattr("crosscheck.cli.run_matrix", refuse)
-    monkeypatch.setattr("crosscheck.bugs.run_catalogue", refuse)
-    monkeypatch.setattr("crosscheck.vectors.export_vectors", refuse)
-    monkeypatch.setattr("crosscheck.verify_report.verify", refuse)
+    monkeypatch.setattr("crosscheck.cli.commands.run_matrix", refuse)
+    monkeypatch.setattr("crosscheck.bugs.catalogue_run.run_catalogue", refuse)
+    monkeypatch.setattr("crosscheck.fixtures.vectors.export_vectors", refuse)
+    monkeypatch.setattr("crosscheck.cli.verify_report.verify", refuse)
 
 
 def test_output_paths_are_checked_before_any_work(
@@ -356,7 +356,7 @@ def test_the_python_api_refuses_a_missing_step_before_any_process(tmp_path, monk
     def no_runner(*args, **kwargs):
         raise AssertionError("a runner started")
 
-    monkeypatch.setattr("crosscheck.verify.importlib.import_module", no_runner)
+    monkeypatch.setattr("crosscheck.verification.verifier.importlib.import_module", no_runner)
     with pytest.raises(StepSetupError, match=r"--step nosuch\.sub:step: no module named 'nosuch'"):
         verify("nosuch.sub:step", framework="jax", scheme="token_mean")
     assert issubclass(StepSetupError, ValueError)
@@ -432,7 +432,7 @@ def test_a_huge_gradient_is_diagnosed_under_the_clis_floating_point_checks():
     fixture = builtin_fixture("ragged")
     grads = loss_and_grad(fixture, "token_mean", 2, 1).grads
     huge = {name: np.full_like(value, 1e308) for name, value in grads.items()}
-    with np.errstate(divide="raise", invalid="raise"):  # as crosscheck.cli.main runs it
+    with np.errstate(divide="raise", invalid="raise"):  # as crosscheck.cli.commands.main runs it
         d = diagnose(fixture, 2, 1, huge, "token_mean")
     assert d.detected and d.best_match == "unknown"
     assert d.explanation.startswith(
@@ -504,7 +504,7 @@ def test_an_interrupted_export_leaves_the_old_manifest_and_no_temporary_file(tmp
     before = (target / MANIFEST_NAME).read_bytes()
     written = 0
 
-    import crosscheck.vectors as vectors
+    import crosscheck.fixtures.vectors as vectors
 
     real = vectors.npz_bytes
 
@@ -595,7 +595,7 @@ def test_an_interrupted_verify_stops_every_process_and_says_so_in_one_line(
 
 
 def test_an_interrupted_run_ends_its_worker_threads_and_every_process():
-    """`run` waits on its jobs from worker threads (crosscheck.schedule): after SIGTERM they
+    """`run` waits on its jobs from worker threads (crosscheck.launch.schedule): after SIGTERM they
     must neither keep the interpreter alive nor leave a process behind."""
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(
@@ -640,7 +640,7 @@ def test_an_interrupted_run_ends_its_worker_threads_and_every_process():
 
 
 def test_handle_signals_turns_sigterm_into_one_line_and_restores_the_handlers(monkeypatch, capsys):
-    import crosscheck.processes as processes
+    import crosscheck.launch.processes as processes
 
     monkeypatch.setattr(processes, "terminate_all", lambda grace_s=2.0: 2)
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
@@ -658,16 +658,16 @@ def test_handle_signals_turns_sigterm_into_one_line_and_restores_the_handlers(mo
 def test_terminate_all_calls_only_launchers_already_imported_and_never_imports_one():
     code = (
         "import sys, types\n"
-        "from crosscheck.processes import terminate_all\n"
+        "from crosscheck.launch.processes import terminate_all\n"
         "assert terminate_all() == 0\n"
-        "fake = types.ModuleType('torch_impl.launcher')\n"
+        "fake = types.ModuleType('torch_impl.harness.launcher')\n"
         "fake.terminate_all = lambda grace_s=2.0: 3\n"
-        "sys.modules['torch_impl.launcher'] = fake\n"
-        "broken = types.ModuleType('jax_impl.launch')\n"
+        "sys.modules['torch_impl.harness.launcher'] = fake\n"
+        "broken = types.ModuleType('jax_impl.harness.launch')\n"
         "def boom(grace_s=2.0):\n"
         "    raise RuntimeError('a launcher bug')\n"
         "broken.terminate_all = boom\n"
-        "sys.modules['jax_impl.launch'] = broken\n"
+        "sys.modules['jax_impl.harness.launch'] = broken\n"
         "print(terminate_all(), 'torch' in sys.modules, 'jax' in sys.modules)\n"
     )
     proc = subprocess.run(
@@ -843,7 +843,7 @@ def test_importing_crosscheck_sets_no_environment_variable_and_loads_no_numpy():
         "import os, sys, crosscheck\n"
         "print(os.environ.get('OPENBLAS_NUM_THREADS'), 'numpy' in sys.modules)\n"
         "from crosscheck import diagnose, log_denominator\n"
-        "import crosscheck.diagnose\n"
+        "import crosscheck.diagnosis.diagnose\n"
         "print(callable(crosscheck.diagnose), crosscheck.diagnose is diagnose)\n"
     )
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""The judge itself (`crosscheck.compare`), at its boundaries.
+"""The judge itself (`crosscheck.judge.compare`), at its boundaries.
 
 Every verdict of the harness goes through `leaf_rel_err`, `tree_rel_err` and
 `assert_tree_close`: the relative error max |a - b| / max(max |b|, tiny) per leaf, the worst
@@ -18,7 +18,7 @@ import math
 import numpy as np
 import pytest
 
-from crosscheck.compare import (
+from crosscheck.judge.compare import (
     BFLOAT16_RTOL,
     FLOAT32_RTOL,
     FLOAT64_RTOL,
@@ -260,8 +260,8 @@ def test_assert_tree_close_says_what_where_and_against_which_tolerance():
 
 
 def test_under_the_cli_error_state_inf_against_inf_is_an_infinite_error():
-    # `crosscheck.cli.main` runs with np.errstate(divide="raise", invalid="raise"): inf - inf
-    # must still give an infinite error (it never passes), not raise inside the judge.
+    # `crosscheck.cli.commands.main` runs with np.errstate(divide="raise", invalid="raise"): inf -
+    # inf must still give an infinite error (it never passes), not raise inside the judge.
     with np.errstate(divide="raise", invalid="raise"):
         assert tree_rel_err({"w": arr(np.inf)}, {"w": arr(np.inf)}).max_rel_err == math.inf
         assert tree_rel_err({"w": arr(np.nan)}, {"w": arr(1.0)}).max_rel_err == math.inf

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from crosscheck import candidates
-from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture
-from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL
-from crosscheck.diagnose import AMBIGUOUS, CONDITION_LIMIT, UNKNOWN, diagnose
-from crosscheck.fixtures import Fixture
-from crosscheck.oracle import loss_and_grad, weighted_grad
-from crosscheck.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS
-from crosscheck.schemes import INTENDED_SCHEMES, get_scheme
+from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.oracle import loss_and_grad, weighted_grad
+from crosscheck.contract.schemes import INTENDED_SCHEMES, get_scheme
+from crosscheck.diagnosis import candidates
+from crosscheck.diagnosis.diagnose import AMBIGUOUS, CONDITION_LIMIT, UNKNOWN, diagnose
+from crosscheck.diagnosis.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS
+from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
+from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL
 
 
 def _grad(fixture: Fixture, weights: np.ndarray) -> dict[str, np.ndarray]:

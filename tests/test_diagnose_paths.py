@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.compare import RTOL_BY_DTYPE
-from crosscheck.diagnose import diagnose
-from crosscheck.matrix import run_matrix
-from crosscheck.plan import Plan
-from crosscheck.runners import IMPLEMENTATIONS
-from crosscheck.schemes import INTENDED_SCHEMES
+from crosscheck.contract.schemes import INTENDED_SCHEMES
+from crosscheck.diagnosis.diagnose import diagnose
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.compare import RTOL_BY_DTYPE
+from crosscheck.run.implementations import IMPLEMENTATIONS
+from crosscheck.run.matrix import run_matrix
+from crosscheck.run.plan import Plan
 
 
 @pytest.fixture(scope="module")

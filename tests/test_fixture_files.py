@@ -1,11 +1,11 @@
 """User fixture files (.npz) and exported vector files: accepted by path, refused by name.
 
-`crosscheck.catalogue.builtin_fixture` is the lookup `run`, `verify` and `bugs` use: given a
+`crosscheck.fixtures.builtin.builtin_fixture` is the lookup `run`, `verify` and `bugs` use: given a
 path (a name ending in .npz or holding a separator) it loads the file, resolved to an absolute
 path so that workers started elsewhere find it, and validates it as a built-in. Every broken
 file here is a real file written in tmp_path: truncated at several lengths, a key missing or
 extra, a wrong shape, dtype or value, damaged bytes. Each error must name the file and what is
-wrong. The vector readers (`crosscheck.vectors.read_manifest`, `read_vector_file`) get the
+wrong. The vector readers (`crosscheck.fixtures.vectors.read_manifest`, `read_vector_file`) get the
 same treatment: a truncated file or a manifest without a key is named with the file and key.
 """
 
@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crosscheck.catalogue import builtin_fixture, fixture_reference, is_fixture_path
-from crosscheck.fixtures import NPZ_KEYS, Fixture, FixtureError
-from crosscheck.oracle import loss_and_grad
-from crosscheck.vectors import (
+from crosscheck.contract.fixture import NPZ_KEYS, Fixture, FixtureError
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.fixtures.builtin import builtin_fixture, fixture_reference, is_fixture_path
+from crosscheck.fixtures.vectors import (
     MANIFEST_NAME,
     VectorFileError,
     export_vectors,
@@ -89,9 +89,9 @@ def test_a_rewritten_file_is_read_again(tmp_path: Path) -> None:
 
 def test_the_lookups_of_run_verify_and_the_jax_worker_accept_the_path(tmp_path: Path) -> None:
     """The plan (run), verify's job list and the JAX verify worker's own lookup."""
-    from crosscheck.plan import Plan
-    from crosscheck.runners.jax_verify_worker import _fixture
-    from crosscheck.verify import jobs_for
+    from crosscheck.run.plan import Plan
+    from crosscheck.verification.jax_verify_worker import _fixture
+    from crosscheck.verification.verifier import jobs_for
 
     path = str(builtin_fixture("ragged").save(tmp_path / "user-ragged.npz"))
     Plan(fixtures=[path], resume_fixtures=[path]).validate()

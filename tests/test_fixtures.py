@@ -5,9 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from crosscheck.catalogue import BUILTIN_FIXTURES, IMAGE_TOKEN, builtin_fixture, random_fixture
-from crosscheck.fixtures import NPZ_KEYS, Fixture, FixtureError
-from crosscheck.layout import IGNORE_INDEX
+from crosscheck.contract.fixture import NPZ_KEYS, Fixture, FixtureError
+from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.fixtures.builtin import (
+    BUILTIN_FIXTURES,
+    IMAGE_TOKEN,
+    builtin_fixture,
+    random_fixture,
+)
 
 ALL_BUILTINS = list(BUILTIN_FIXTURES)
 

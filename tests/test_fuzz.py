@@ -1,6 +1,6 @@
 """A hypothesis fuzz over random fixtures, layouts, ignore patterns and weights (issue 13).
 
-Each example is a `crosscheck.catalogue.random_fixture` (rows packing 1-4 documents, a random
+Each example is a `crosscheck.fixtures.builtin.random_fixture` (rows packing 1-4 documents, a random
 fraction of ignored targets up to all of them, rows without any valid target, soft weights
 with zeros or none), optionally with one whole rank emptied of valid targets or every weight
 zero, laid out over (R, M) with R in {1, 2, 4}, M in {1, 2, 3} and 1-2 rows per microbatch.
@@ -40,11 +40,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from crosscheck import FLOAT64_RTOL, INTENDED_SCHEMES, assert_tree_close
-from crosscheck.catalogue import random_fixture
-from crosscheck.fixtures import NPZ_KEYS, Fixture
-from crosscheck.layout import IGNORE_INDEX
-from crosscheck.oracle import loss_and_grad
-from jax_impl.launch import SMALL_PROGRAM_XLA_FLAGS
+from crosscheck.contract.fixture import NPZ_KEYS, Fixture
+from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.fixtures.builtin import random_fixture
+from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Examples run through torch and JAX (each framework runs every one of them).
@@ -261,7 +261,7 @@ def test_torch_matches_the_oracle_on_every_example() -> None:
     """FRAMEWORK_EXAMPLES examples x 6 intended schemes x {precount, postnorm}, on every rank
     of each example's layout, in one launch of 4 gloo ranks: the oracle's gradient and D at
     1e-12, no NaN."""
-    from torch_impl.launcher import launch
+    from torch_impl.harness.launcher import launch
 
     examples_ = drawn_examples()
     assert len(examples_) == FRAMEWORK_EXAMPLES

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from crosscheck.cases import Case, CaseOutput, RankMetrics, TrainSettings
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.clipping import clip_placement
-from crosscheck.harness import (
+from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.clipping import clip_placement
+from crosscheck.run.rows import (
     compare_with_oracle,
     cross_implementation,
     failed_case,

@@ -33,7 +33,7 @@ from jax_matrix import (
 
 import jax_impl
 from crosscheck import FLOAT32_RTOL, Fixture, builtin_fixture, loss_and_grad, train, tree_rel_err
-from crosscheck.schemes import Constant
+from crosscheck.contract.schemes import Constant
 
 # All at R = 2 (one compiled sweep per front-end): the seed's 100 vs 900 tokens, ragged
 # microbatch counts, and a whole empty rank.

@@ -1,9 +1,9 @@
-"""The JAX bug catalogue (jax_impl.bugs) through its harness runner, against numpy.
+"""The JAX bug catalogue (jax_impl.harness.bugs) through its harness runner, against numpy.
 
 Every catalogue run plus the rank-skew calibration runs come from the session's one run of
-the catalogue (tests/bug_outputs.py, through `crosscheck.runners.jax_bugs.run`: two worker
+the catalogue (tests/bug_outputs.py, through `crosscheck.bugs.jax_bugs.run`: two worker
 processes, one per dtype). Each output is then
-checked against what the pattern's text in crosscheck.patterns defines, computed here with
+checked against what the pattern's text in crosscheck.diagnosis.patterns defines, computed here with
 numpy and the oracle: the logged denominator exactly, and the gradient within 1e-12 (float64)
 of the weighting the pattern describes: a scale of the token mean, a reweighting, or the
 clipped sum.
@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 from bug_outputs import catalogue_outputs
 
-from crosscheck.bugs import SKEW, SKEW_FIXTURE, SKEW_LAYOUT
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
-from crosscheck.fixtures import Fixture
-from crosscheck.oracle import OracleResult, loss_and_grad, weighted_grad
-from crosscheck.patterns import (
+from crosscheck.bugs import jax_bugs
+from crosscheck.bugs.catalogue_run import SKEW, SKEW_FIXTURE, SKEW_LAYOUT
+from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.oracle import OracleResult, loss_and_grad, weighted_grad
+from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
     PATTERNS,
     RANK_SKEW,
@@ -33,15 +32,16 @@ from crosscheck.patterns import (
     BugRun,
     catalogue_runs,
 )
-from crosscheck.runners import jax_bugs
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
 CATALOGUE = catalogue_runs(("jax",))
 
 
 def _skew(skew: float, dtype: str = "float64") -> BugRun:
-    # The skew runs of crosscheck.bugs (same fixture, layout and skews): the shared session
-    # run already holds them, and (ragged, 2, 1) is a catalogue layout too.
+    # The skew runs of crosscheck.bugs.catalogue_run (same fixture, layout and skews): the shared
+    # session run already holds them, and (ragged, 2, 1) is a catalogue layout too.
     R, M = SKEW_LAYOUT
     return BugRun(
         pattern=RANK_SKEW,
@@ -270,7 +270,7 @@ def test_a_worker_that_outlives_its_timeout_fails_its_runs_instead_of_hanging() 
 
 
 def test_a_failed_worker_fails_every_run_it_carried(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jax_bugs, "WORKER_MODULE", "crosscheck.runners.no_such_worker")
+    monkeypatch.setattr(jax_bugs, "WORKER_MODULE", "crosscheck.run.implementations.no_such_worker")
     runs = [_skew(1.0), _skew(1.01)]
     result = jax_bugs.run(runs)
     for run in runs:
@@ -280,7 +280,7 @@ def test_a_failed_worker_fails_every_run_it_carried(monkeypatch: pytest.MonkeyPa
 
 def test_the_runner_does_not_import_jax_in_the_calling_process() -> None:
     code = (
-        "import sys; import crosscheck.runners.jax_bugs as m; m._launch(); "
+        "import sys; import crosscheck.bugs.jax_bugs as m; m._launch(); "
         "assert 'jax' not in sys.modules, sorted(k for k in sys.modules if 'jax' in k)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)

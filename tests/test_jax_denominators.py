@@ -34,8 +34,8 @@ import pytest
 
 import jax_impl
 from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, builtin_fixture, loss_and_grad, tree_rel_err
-from crosscheck.compare import BFLOAT16_RTOL
-from crosscheck.fixtures import BATCH_KEYS, Fixture
+from crosscheck.contract.fixture import BATCH_KEYS, Fixture
+from crosscheck.judge.compare import BFLOAT16_RTOL
 from jax_impl.denominators import exact_sum
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -225,7 +225,7 @@ def test_bf16_params_keep_an_exact_count_and_a_float32_weight_sum(front_end: str
             )
         if r["grads_dtype"] != "bfloat16":
             problems.append(f"{what}: gradient in {r['grads_dtype']}, params are bfloat16")
-        # crosscheck.compare's bf16 tolerance: params, logits and the backward matmuls are
+        # crosscheck.judge.compare's bf16 tolerance: params, logits and the backward matmuls are
         # rounded to 8 bits (2^-9 each); measured worst here ~1e-2.
         if not r["grad_rel_err"] <= BFLOAT16_RTOL:
             problems.append(f"{what}: gradient {r['grad_rel_err']:.2e} from the oracle's")
@@ -262,8 +262,8 @@ def test_bf16_accidental_local_means_divide_by_exact_counts() -> None:
 
 def test_bf16_multiprocess_keeps_exact_denominators(tmp_path: Path) -> None:
     """jax.distributed with two real processes, bfloat16 params: the same D as in-process."""
-    from jax_impl.launch import SMALL_PROGRAM_XLA_FLAGS
-    from jax_impl.multiprocess import launch_multiprocess
+    from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+    from jax_impl.harness.multiprocess import launch_multiprocess
 
     cases = [("ragged", "token_mean", 2), ("dedup-packed", "weighted_mean", 2)]
     spec = {
@@ -367,7 +367,7 @@ def test_float32_weight_sum_past_2_24_rounds_once() -> None:
                     f"more than one float32 rounding ({half_spacing}); a running float32 sum "
                     f"gives {running!r}"
                 )
-            # float32 end to end: crosscheck.compare's float32 tolerance.
+            # float32 end to end: crosscheck.judge.compare's float32 tolerance.
             if not r["grad_rel_err"] <= FLOAT32_RTOL:
                 problems.append(f"{r['case']}: gradient {r['grad_rel_err']:.2e} from the oracle's")
         if len({r["D"] for r in own}) != 1:
@@ -404,7 +404,7 @@ def test_float64_weight_sum_past_2_24_is_exact(tmp_path: Path) -> None:
         assert r["D_dtype"] == "float64", f"{r['case']}: D in {r['D_dtype']}"
         # Integers: exact or wrong.
         assert r["D"] == W, f"{r['case']}: D = {r['D']!r}, exact W = {W!r}"
-        # crosscheck.compare's float64 tolerance: only the order of a few roundings differs.
+        # crosscheck.judge.compare's float64 tolerance: only the order of a few roundings differs.
         assert r["grad_rel_err"] <= FLOAT64_RTOL, (
             f"{r['case']}: gradient {r['grad_rel_err']:.2e} from the oracle's"
         )

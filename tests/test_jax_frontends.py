@@ -32,7 +32,7 @@ from jax_matrix import (
 )
 
 from crosscheck import builtin_fixture
-from jax_impl.multiprocess import launch_multiprocess, variant_name
+from jax_impl.harness.multiprocess import launch_multiprocess, variant_name
 
 IN_PROCESS = ("pmap", "shard_map", "jit")
 # Each runner compiles ~100 small programs and checks ~2500 cases: 1-1.5 minutes on 2 free

@@ -40,17 +40,18 @@ import numpy as np
 import pytest
 from jax_matrix import RUNNER_XLA_FLAGS
 
-from crosscheck.cases import Case, CaseOutput, TrainSettings
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.compare import FLOAT64_RTOL, tree_rel_err
-from crosscheck.oracle import loss_and_grad
-from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.runners import jax_runner, jax_verify
-from jax_impl import launch
-from jax_impl import multiprocess as jax_multiprocess
-from jax_impl.launch import LaunchError, WorkerResult, run_workers
-from jax_impl.multiprocess import launch_multiprocess
-from jax_impl.zygote import NO_FORK_SERVERS_ENV, Zygote, ZygoteError, unavailable
+from crosscheck.contract.cases import Case, CaseOutput, TrainSettings
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
+from crosscheck.run import jax_runner
+from crosscheck.verification import jax_verify
+from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
+from jax_impl.harness import launch
+from jax_impl.harness import multiprocess as jax_multiprocess
+from jax_impl.harness.launch import LaunchError, WorkerResult, run_workers
+from jax_impl.harness.multiprocess import launch_multiprocess
+from jax_impl.harness.zygote import NO_FORK_SERVERS_ENV, Zygote, ZygoteError, unavailable
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -142,8 +143,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
 
 @pytest.fixture(scope="module")
 def light_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Zygote]]:
-    """A zygote that preloads nothing but what ``python -m jax_impl.zygote`` imports; started
-    again when a test stopped it (terminate_all)."""
+    """A zygote that preloads nothing but what ``python -m jax_impl.harness.zygote`` imports;
+    started again when a test stopped it (terminate_all)."""
     made: list[Zygote] = []
 
     def get() -> Zygote:

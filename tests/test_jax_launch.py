@@ -14,8 +14,8 @@ import pytest
 from jax_matrix import RUNNER_XLA_FLAGS
 
 from crosscheck import builtin_fixture
-from jax_impl.launch import LaunchError, run_workers
-from jax_impl.multiprocess import launch_multiprocess
+from jax_impl.harness.launch import LaunchError, run_workers
+from jax_impl.harness.multiprocess import launch_multiprocess
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 

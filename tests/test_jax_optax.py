@@ -4,7 +4,7 @@
 reproduce the oracle's token_mean (or weighted_mean) AdamW updates; optax.MultiSteps fed the
 gradient of each microbatch's own mean must reproduce the oracle's accidental
 microbatch_mean, and so miss token_mean. Single device and pmap (psum per micro-step); float32
-in this process (float32 tolerance from crosscheck.compare).
+in this process (float32 tolerance from crosscheck.judge.compare).
 """
 
 from __future__ import annotations

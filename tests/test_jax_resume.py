@@ -10,7 +10,7 @@ pmap step and with the oracle's:
         resume at the same layout;
     (c) stop between updates at (2, 2), resume at (4, 1) and at (1, 4) (same global batch).
 
-The grid goes through `crosscheck.runners.jax_resume.run_resume`: one worker process stops
+The grid goes through `crosscheck.run.jax_resume.run_resume`: one worker process stops
 every case (and runs the baselines), a second one resumes every case. Around it, in this
 process (float32: x64 is global and stays off here): an unfinalized checkpoint is never
 restored, a mid-accumulation checkpoint refuses another layout, and a resume that lost its
@@ -28,10 +28,10 @@ import optax
 import pytest
 
 from crosscheck import FLOAT64_RTOL, builtin_fixture, tree_rel_err
-from crosscheck.cases import ResumeCase, ResumeOutput, TrainSettings
-from crosscheck.fixtures import BATCH_KEYS
-from crosscheck.optimizers import train
-from crosscheck.runners.jax_resume import run_resume
+from crosscheck.contract.cases import ResumeCase, ResumeOutput, TrainSettings
+from crosscheck.contract.fixture import BATCH_KEYS
+from crosscheck.contract.optimizers import train
+from crosscheck.run.jax_resume import run_resume
 
 NUM_UPDATES = 3
 FIXTURES = ("packed", "ragged")

@@ -18,7 +18,7 @@ import jax_impl
 import jax_impl.losses
 from crosscheck import BUILTIN_FIXTURES, INTENDED_SCHEMES, builtin_fixture, get_scheme
 from crosscheck import random_fixture as make_random_fixture
-from crosscheck.oracle import token_terms
+from crosscheck.contract.oracle import token_terms
 
 # float32 against float64: a_t = 1/n and l_t are single roundings of O(1) values (~6e-8 each);
 # 1e-6 relative admits that and nothing a wrong group or count could produce (>= 1/T ~ 1e-3).

@@ -1,4 +1,6 @@
-"""The JAX step protocol (crosscheck.protocol) through crosscheck.runners.jax_verify.
+"""The JAX step protocol through its driver.
+
+The protocol is crosscheck.verification.protocol; the driver crosscheck.verification.jax_verify.
 
 Each example step of examples/ runs once, in one worker, over the same three jobs, and its
 gradient is compared with the oracle: the token-weighted loop is the token mean, the pmap loop
@@ -18,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.compare import FLOAT64_RTOL, tree_rel_err
-from crosscheck.oracle import loss_and_grad
-from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.runners import jax_verify
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
+from crosscheck.verification import jax_verify
+from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = [
@@ -188,7 +190,7 @@ def test_a_malformed_step_name_fails_without_a_worker() -> None:
 
 def test_the_harness_side_does_not_import_jax() -> None:
     code = (
-        "import sys, crosscheck.runners.jax_verify; "
+        "import sys, crosscheck.verification.jax_verify; "
         "assert 'jax' not in sys.modules, sorted(k for k in sys.modules if 'jax' in k)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)

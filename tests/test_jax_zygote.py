@@ -1,10 +1,10 @@
 """The JAX zygote: workers forked from one process that imported JAX, launched like any other.
 
-The harness forks every JAX worker from `jax_impl.zygote` instead of starting a fresh Python
-(`crosscheck.runners.jax_runner.worker_zygote`). A forked worker must behave like
+The harness forks every JAX worker from `jax_impl.harness.zygote` instead of starting a fresh Python
+(`crosscheck.run.jax_runner.worker_zygote`). A forked worker must behave like
 ``python -m MODULE`` in everything a worker relies on: its own XLA_FLAGS (the fake device count
 is read after the fork), argv, environment, working directory and output files, its exit
-status, and a bounded wait (the differences are listed in `jax_impl.zygote`).
+status, and a bounded wait (the differences are listed in `jax_impl.harness.zygote`).
 """
 
 import json
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jax_impl.launch import LaunchError, run_workers
-from jax_impl.zygote import Zygote, ZygoteError
+from jax_impl.harness.launch import LaunchError, run_workers
+from jax_impl.harness.zygote import Zygote, ZygoteError
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -112,7 +112,7 @@ def test_the_zygote_refuses_to_fork_a_threaded_process(tmp_path):
 
 
 def test_the_harness_forks_its_jax_workers():
-    from crosscheck.runners.jax_runner import worker_zygote
+    from crosscheck.run.jax_runner import worker_zygote
 
     zygote = worker_zygote()
     assert zygote is not None and zygote.alive

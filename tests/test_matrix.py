@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from crosscheck.runners import IMPLEMENTATIONS
+from crosscheck.run.implementations import IMPLEMENTATIONS
 
 DOCUMENTED_KEYS = {
     "check",

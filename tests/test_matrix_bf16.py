@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from crosscheck.cases import Case, CaseOutput, RankMetrics, TrainSettings
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.harness import compare_with_oracle, oracle_run
-from crosscheck.matrix import run_matrix
-from crosscheck.optimizers import AdamWConfig, SGDConfig
-from crosscheck.oracle import weighted_grad
-from crosscheck.plan import Plan
+from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
+from crosscheck.contract.optimizers import AdamWConfig, SGDConfig
+from crosscheck.contract.oracle import weighted_grad
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.run.matrix import run_matrix
+from crosscheck.run.plan import Plan
+from crosscheck.run.rows import compare_with_oracle, oracle_run
 
 
 def test_bf16_trains_with_sgd_and_other_dtypes_with_adamw():

@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.compare import FLOAT64_RTOL, assert_tree_close
-from crosscheck.optimizers import (
+from crosscheck.contract.optimizers import (
     AdamWConfig,
     OptimizerState,
     SGDConfig,
@@ -25,7 +23,9 @@ from crosscheck.optimizers import (
     global_norm,
     train,
 )
-from crosscheck.oracle import loss_and_grad
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.compare import FLOAT64_RTOL, assert_tree_close
 
 CONFIG = AdamWConfig(learning_rate=0.05, b1=0.8, b2=0.95, eps=1e-6, weight_decay=0.1)
 

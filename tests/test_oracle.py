@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture, random_fixture
-from crosscheck.compare import FLOAT64_RTOL, tree_rel_err
-from crosscheck.fixtures import NPZ_KEYS, Fixture
-from crosscheck.oracle import loss_and_grad, weighted_grad, weighted_loss
-from crosscheck.schemes import INTENDED_SCHEMES, SCHEMES, effective_weights
+from crosscheck.contract.fixture import NPZ_KEYS, Fixture
+from crosscheck.contract.oracle import loss_and_grad, weighted_grad, weighted_loss
+from crosscheck.contract.schemes import INTENDED_SCHEMES, SCHEMES, effective_weights
+from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture, random_fixture
+from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
 
 # Central differences with step h have truncation error ~h^2 |f'''| / 6 ~ 1e-11 and rounding
 # error ~eps |L| / h ~ 1e-16 * |L| / 1e-5: relative to the largest gradient entry both stay

@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 
-import crosscheck.matrix as matrix
-from crosscheck.cases import Case, SkippedCase
-from crosscheck.cli import main
-from crosscheck.matrix import NEVER_REPORTED, run_matrix
-from crosscheck.plan import Plan, PlanError
-from crosscheck.report import summary_line, write_json
-from crosscheck.runners import IMPLEMENTATIONS, jax_runner, torch_runner
-from crosscheck.schemes import SCHEMES, get_scheme
+import crosscheck.run.matrix as matrix
+from crosscheck.cli.commands import main
+from crosscheck.cli.report import summary_line, write_json
+from crosscheck.contract.cases import Case, SkippedCase
+from crosscheck.contract.schemes import SCHEMES, get_scheme
+from crosscheck.run import jax_runner, torch_runner
+from crosscheck.run.implementations import IMPLEMENTATIONS
+from crosscheck.run.matrix import NEVER_REPORTED, run_matrix
+from crosscheck.run.plan import Plan, PlanError
 
 SKIP_KEYS = {
     "check",
@@ -56,7 +57,7 @@ def no_process_may_start(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a refused plan started the run")
 
-    monkeypatch.setattr("crosscheck.cli.run_matrix", refuse)
+    monkeypatch.setattr("crosscheck.cli.commands.run_matrix", refuse)
     monkeypatch.setattr(matrix, "run_jobs", refuse)
 
 

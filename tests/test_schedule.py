@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from crosscheck.schedule import Job, default_capacity, run_jobs
+from crosscheck.launch.schedule import Job, default_capacity, run_jobs
 
 
 class Recorder:

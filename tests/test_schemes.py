@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from crosscheck.catalogue import BUILTIN_FIXTURES, builtin_fixture, random_fixture
-from crosscheck.layout import IGNORE_INDEX, Microbatch
-from crosscheck.schemes import (
+from crosscheck.contract.layout import IGNORE_INDEX, Microbatch
+from crosscheck.contract.schemes import (
     ACCIDENTAL_SCHEMES,
     INTENDED_SCHEMES,
     MEAN_SCHEMES,
@@ -16,6 +15,7 @@ from crosscheck.schemes import (
     effective_weights,
     get_scheme,
 )
+from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture, random_fixture
 
 X = IGNORE_INDEX
 # Row 0 packs two documents (2 valid targets each) and ends in padding; row 1 is one

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import pytest
 
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.patterns import PATTERNS
-from crosscheck.verify import jobs_for, verify
+from crosscheck.diagnosis.patterns import PATTERNS
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.verification.verifier import jobs_for, verify
 
-#: float32-level tolerance (crosscheck.verdict): a float32 step's worst-leaf error must stay
-#: below it. The measured errors are 2e-8 to 9e-8 (one rounding of float32 logits or of the
+#: float32-level tolerance (crosscheck.diagnosis.verdict): a float32 step's worst-leaf error must
+#: stay below it. The measured errors are 2e-8 to 9e-8 (one rounding of float32 logits or of the
 #: float32 accumulator), so 1e-5 leaves two orders of magnitude.
 FLOAT32_TOLERANCE = 1e-5
 #: A 1.001x skew of one rank's token weights must be flagged: the run's detectable skew

@@ -1,7 +1,7 @@
 """The torch bug catalogue against what each pattern's text says the buggy step computes.
 
 The session's one run of the catalogue (tests/bug_outputs.py, through
-``crosscheck.runners.torch_bugs.run``: one launch per world size) carries every torch run of
+``crosscheck.bugs.torch_bugs.run``: one launch per world size) carries every torch run of
 the catalogue and the rank-skew runs. Each run's second-window
 gradient is compared with a prediction built here from the numpy oracle (the intended
 gradient times the pattern's scale, or the accidental scheme it amounts to), and its logged
@@ -18,14 +18,12 @@ import numpy as np
 import pytest
 from bug_outputs import catalogue_outputs
 
-from crosscheck.bugs import SKEW, SKEW_FIXTURE, SKEW_LAYOUT
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.clipping import microbatch_gradients
-from crosscheck.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
-from crosscheck.layout import IGNORE_INDEX
-from crosscheck.optimizers import clip_by_global_norm
-from crosscheck.oracle import loss_and_grad, weighted_grad
-from crosscheck.patterns import (
+from crosscheck.bugs import torch_bugs
+from crosscheck.bugs.catalogue_run import SKEW, SKEW_FIXTURE, SKEW_LAYOUT
+from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.contract.optimizers import clip_by_global_norm
+from crosscheck.contract.oracle import loss_and_grad, weighted_grad
+from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
     PATTERNS,
     RANK_SKEW,
@@ -33,14 +31,16 @@ from crosscheck.patterns import (
     BugRun,
     catalogue_runs,
 )
-from crosscheck.runners import torch_bugs
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.clipping import microbatch_gradients
+from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
 
 Grads = dict[str, np.ndarray]
 
 
 def _skew_run(dtype: str, skew: float) -> BugRun:
-    # The skew runs of crosscheck.bugs (same fixture, layout and skews): the shared session
-    # run already holds them.
+    # The skew runs of crosscheck.bugs.catalogue_run (same fixture, layout and skews): the shared
+    # session run already holds them.
     R, M = SKEW_LAYOUT
     return BugRun(
         pattern=RANK_SKEW,
@@ -182,8 +182,8 @@ def predicted_grads(bug_run: BugRun, logged: float) -> Grads:
 
 def test_every_pattern_has_torch_runs_and_a_prediction() -> None:
     """A pattern added to the contract must get a torch loop, runs, and checks here."""
-    from torch_impl.bugs_windows import RANK_SKEW as TORCH_RANK_SKEW
-    from torch_impl.bugs_windows import WINDOW_STEPS
+    from torch_impl.harness.bugs_windows import RANK_SKEW as TORCH_RANK_SKEW
+    from torch_impl.harness.bugs_windows import WINDOW_STEPS
 
     assert TORCH_RANK_SKEW == RANK_SKEW  # repeated there: torch_impl never imports crosscheck
     every = {*PATTERNS, RANK_SKEW}
@@ -295,7 +295,7 @@ def test_runs_that_cannot_launch_fail_by_name(bug_run: BugRun, message: str) -> 
 
 
 def _step(**changes):
-    from torch_impl.bugs import BugStep
+    from torch_impl.harness.bugs import BugStep
 
     fixture = builtin_fixture("packed")
     fields = dict(
@@ -310,7 +310,7 @@ def _step(**changes):
 
 def test_rank_side_validation_names_what_and_where() -> None:
     from torch_impl.batch import BatchError
-    from torch_impl.bugs import validate_step
+    from torch_impl.harness.bugs import validate_step
 
     with pytest.raises(ValueError, match="packed step: unknown bug pattern 'nope'"):
         validate_step(_step(pattern="nope"), 0, 2)
@@ -327,7 +327,7 @@ def test_rank_side_validation_names_what_and_where() -> None:
 
 
 def test_a_rank_with_another_gradient_is_named() -> None:
-    from torch_impl.bugs import BugStepResult, RankDisagreementError, check_ranks_agree
+    from torch_impl.harness.bugs import BugStepResult, RankDisagreementError, check_ranks_agree
 
     grads = builtin_fixture("packed").params()
     other = {k: v.copy() for k, v in grads.items()}

@@ -26,10 +26,10 @@ from torch_world import (
 )
 
 from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, builtin_fixture
-from crosscheck.optimizers import UpdateRecord, train
+from crosscheck.contract.optimizers import UpdateRecord, train
 
-# Gradients: docs/contract.md's tolerances (crosscheck.compare explains them: float64 admits only
-# rounding of a few reductions, measured <= 1e-14 here; float32 admits ~1e-6 accumulated
+# Gradients: docs/contract.md's tolerances (crosscheck.judge.compare explains them: float64 admits
+# only rounding of a few reductions, measured <= 1e-14 here; float32 admits ~1e-6 accumulated
 # rounding, measured <= 1.1e-6, while one wrongly weighted token moves the gradient >= 1e-4).
 GRAD_RTOL = {"float64": FLOAT64_RTOL, "float32": FLOAT32_RTOL}
 # Updated params: O(1) values moved by ~lr = 1e-2 per AdamW step. float64: rounding only

@@ -27,15 +27,15 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, Fixture, assert_tree_close, builtin_fixture
-from crosscheck.cases import ResumeCase, ResumeOutput, TrainSettings
-from crosscheck.compare import BFLOAT16_RTOL
-from crosscheck.layout import IGNORE_INDEX
-from crosscheck.oracle import loss_and_grad
-from crosscheck.runners.torch_runner import run_resume
+from crosscheck.contract.cases import ResumeCase, ResumeOutput, TrainSettings
+from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.judge.compare import BFLOAT16_RTOL
+from crosscheck.run.torch_runner import run_resume
 from torch_impl.batch import BATCH_KEYS, rank_microbatches
-from torch_impl.cases import CaseOutput, UpdateCase, run_cases
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
-from torch_impl.launcher import launch
+from torch_impl.harness.cases import CaseOutput, UpdateCase, run_cases
+from torch_impl.harness.launcher import launch
 from torch_impl.mean_loss import accumulate_mean_loss
 from torch_impl.model import BilinearLM, numpy_grads
 from torch_impl.optimizers import OptimizerSpec

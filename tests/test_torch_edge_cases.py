@@ -22,7 +22,7 @@ from torch_world import (
 )
 
 from crosscheck import FLOAT64_RTOL, INTENDED_SCHEMES, assert_tree_close, builtin_fixture
-from crosscheck.optimizers import train
+from crosscheck.contract.optimizers import train
 
 EMPTY_RANK_LAYOUTS = [(R, M) for R in (2, 4) for M in layouts(builtin_fixture("empty-rank"), R)]
 

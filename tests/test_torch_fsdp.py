@@ -13,7 +13,7 @@ import pytest
 from torch_world import ADAMW, DTYPES, MAX_GRAD_NORM, NUM_UPDATES, WORLD_SIZES, world_results
 
 from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, builtin_fixture
-from crosscheck.optimizers import train
+from crosscheck.contract.optimizers import train
 
 # As in the DDP grid (tests/test_torch_ddp.py): float64 rounding only; float32 accumulated
 # rounding of ~1e-6 in gradients and AdamW-updated params.

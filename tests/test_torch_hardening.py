@@ -42,12 +42,13 @@ from torch.nn.functional import cross_entropy
 from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck import builtin_fixture
-from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.runners import torch_verify
-from torch_impl import checkpoint, launcher, rank_processes
+from crosscheck.verification import torch_verify
+from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
+from torch_impl import checkpoint
 from torch_impl.batch import BATCH_KEYS, rank_microbatches
-from torch_impl.cases import UpdateCase, run_cases
-from torch_impl.launcher import LaunchStoppedError, RankFailedError, launch
+from torch_impl.harness import launcher, rank_processes
+from torch_impl.harness.cases import UpdateCase, run_cases
+from torch_impl.harness.launcher import LaunchStoppedError, RankFailedError, launch
 from torch_impl.model import BilinearLM
 from torch_impl.optimizers import OptimizerSpec
 

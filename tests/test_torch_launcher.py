@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck import builtin_fixture
 from torch_impl.batch import BATCH_KEYS, TokenBatch, rank_microbatches
-from torch_impl.cases import UpdateCase, run_cases
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
-from torch_impl.launcher import LaunchTimeoutError, RankFailedError, launch
+from torch_impl.harness.cases import UpdateCase, run_cases
+from torch_impl.harness.launcher import LaunchTimeoutError, RankFailedError, launch
 from torch_impl.model import BilinearLM
 from torch_impl.optimizers import OptimizerSpec
 from torch_impl.schemes import token_mean

@@ -23,7 +23,7 @@ from crosscheck import (
 )
 
 # Same reasoning as the main grid: float64 admits only the rounding of a few reductions,
-# float32 ~1e-6 of accumulated rounding (crosscheck.compare).
+# float32 ~1e-6 of accumulated rounding (crosscheck.judge.compare).
 RTOL = {"float64": FLOAT64_RTOL, "float32": FLOAT32_RTOL}
 
 CASES = [(R, *case) for R in WORLD_SIZES for case in mean_loss_matrix(R)]

@@ -9,7 +9,7 @@ and compares the params after update 3 with an uninterrupted run's and with the 
         resume at the same layout;
     (c) stop between updates at (2, 2), resume at (4, 1) and at (1, 4) (same global batch).
 
-It runs through the harness's `run_resume` (crosscheck.runners.torch_runner): one round of
+It runs through the harness's `run_resume` (crosscheck.run.torch_runner): one round of
 launches to stop (one per world size: 1, 2), one to resume (1, 2, 4). Spawning ranks is most of
 the time, so the mutants ride in the grid's own round-2 launch: resumes from copies of a
 mid-accumulation checkpoint with the partial gradient or partial sums dropped, which must miss
@@ -34,11 +34,12 @@ import torch
 from torch_world import ADAMW, MAX_GRAD_NORM, adamw_spec
 
 from crosscheck import FLOAT64_RTOL, assert_tree_close, builtin_fixture, tree_rel_err
-from crosscheck.cases import ResumeCase, ResumeOutput, TrainSettings
-from crosscheck.optimizers import train
-from crosscheck.runners.torch_runner import run_resume
-from torch_impl import checkpoint, launcher
+from crosscheck.contract.cases import ResumeCase, ResumeOutput, TrainSettings
+from crosscheck.contract.optimizers import train
+from crosscheck.run.torch_runner import run_resume
+from torch_impl import checkpoint
 from torch_impl.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
+from torch_impl.harness import launcher
 from torch_impl.model import BilinearLM
 from torch_impl.optimizers import make_optimizer
 from torch_impl.partial import PartialAccumulation

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from crosscheck import BUILTIN_FIXTURES, INTENDED_SCHEMES, builtin_fixture, get_scheme
-from crosscheck.oracle import token_terms
+from crosscheck.contract.oracle import token_terms
 from torch_impl.batch import BATCH_KEYS, BatchError, rank_microbatches
-from torch_impl.cases import UpdateCase
+from torch_impl.harness.cases import UpdateCase
 from torch_impl.model import BilinearLM, numpy_params
 from torch_impl.optimizers import OptimizerSpec
 from torch_impl.schemes import constant, microbatch_loss

@@ -1,4 +1,4 @@
-"""`crosscheck.runners.torch_verify.run`: the example steps against the oracle, and every way a
+"""`crosscheck.verification.torch_verify.run`: the example steps against the oracle, and every way a
 step can fail giving a StepError that names the job and the cause, within a bounded time.
 
 Each test is one call of `run` (one launch per world size, and a fresh one after a job that
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.compare import FLOAT64_RTOL, tree_rel_err
-from crosscheck.oracle import loss_and_grad
-from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.runners import torch_verify
+from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
+from crosscheck.verification import torch_verify
+from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"

@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crosscheck.cases import TrainSettings
-from crosscheck.matrix import run_matrix
-from crosscheck.plan import Plan
-from crosscheck.schemes import SCHEMES
-from crosscheck.vectors import MANIFEST_NAME, ExportDirectoryError, export_vectors
+from crosscheck.contract.cases import TrainSettings
+from crosscheck.contract.schemes import SCHEMES
+from crosscheck.fixtures.vectors import MANIFEST_NAME, ExportDirectoryError, export_vectors
+from crosscheck.run.matrix import run_matrix
+from crosscheck.run.plan import Plan
 
 RTOL = 1e-12
 IGNORE = -100

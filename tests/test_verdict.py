@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from crosscheck.catalogue import builtin_fixture
-from crosscheck.diagnose import AMBIGUOUS, diagnose
-from crosscheck.fixtures import Fixture
-from crosscheck.naming import headline, minimal
-from crosscheck.oracle import loss_and_grad, weighted_grad
-from crosscheck.schemes import Constant, get_scheme
-from crosscheck.verdict import Z_SCORE, auto_levels, level_of, tolerance
+from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.oracle import loss_and_grad, weighted_grad
+from crosscheck.contract.schemes import Constant, get_scheme
+from crosscheck.diagnosis.diagnose import AMBIGUOUS, diagnose
+from crosscheck.diagnosis.naming import headline, minimal
+from crosscheck.diagnosis.verdict import Z_SCORE, auto_levels, level_of, tolerance
+from crosscheck.fixtures.builtin import builtin_fixture
 
 LAYOUTS = ((2, 1), (1, 2), (2, 2), (4, 1), (2, 4))
 
@@ -292,7 +292,7 @@ def test_more_groups_than_parameters_is_not_a_false_alarm():
     """K > P: the groups cannot all be told apart and no dimension is left to see noise in;
     a correct gradient must still pass (the worst-leaf test decides) and be flagged as not
     identifiable."""
-    from crosscheck.catalogue import random_fixture
+    from crosscheck.fixtures.builtin import random_fixture
 
     fixture = random_fixture(2, 16, 8, vocab_size=4, hidden_size=2)
     grads = loss_and_grad(fixture, "token_mean", 2, 2).grads

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from crosscheck.verify import (
+from crosscheck.verification.verifier import (
     DEFAULT_FIXTURES,
     DEFAULT_LAYOUTS,
     StepSetupError,

@@ -13,8 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from crosscheck.schemes import Constant
-from crosscheck.verify import verify
+from crosscheck.contract.schemes import Constant
+from crosscheck.verification.verifier import verify
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -129,11 +129,11 @@ def test_strict_keeps_the_float64_judgement():
 def test_a_case_that_could_not_run_is_never_named_as_a_weighting():
     """Nine cases match and one timed out: the run fails as an error, not as the intended
     scheme's 'bug', and it gives no fix."""
-    from crosscheck.catalogue import builtin_fixture
-    from crosscheck.oracle import loss_and_grad
-    from crosscheck.protocol import StepError, VerifyJob, VerifyOutput
-    from crosscheck.schemes import get_scheme
-    from crosscheck.verify import VerifyReport, judge
+    from crosscheck.contract.oracle import loss_and_grad
+    from crosscheck.contract.schemes import get_scheme
+    from crosscheck.fixtures.builtin import builtin_fixture
+    from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
+    from crosscheck.verification.verifier import VerifyReport, judge
 
     scheme = get_scheme("token_mean")
     good = VerifyJob(fixture="packed", world_size=2, accum_steps=2)

@@ -22,9 +22,9 @@ from crosscheck import (
     SGDConfig,
     builtin_fixture,
 )
-from crosscheck.layout import IGNORE_INDEX
-from torch_impl.cases import CaseOutput, UpdateCase, run_cases
-from torch_impl.launcher import launch
+from crosscheck.contract.layout import IGNORE_INDEX
+from torch_impl.harness.cases import CaseOutput, UpdateCase, run_cases
+from torch_impl.harness.launcher import launch
 from torch_impl.optimizers import OptimizerSpec
 
 WORLD_SIZES = (1, 2, 3, 4)

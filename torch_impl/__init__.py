@@ -16,7 +16,7 @@ numpy oracle and of jax_impl.
 from torch_impl.batch import IGNORE_INDEX, BatchError, TokenBatch, rank_microbatches
 from torch_impl.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
-from torch_impl.launcher import LaunchTimeoutError, RankFailedError, launch
+from torch_impl.harness.launcher import LaunchTimeoutError, RankFailedError, launch
 from torch_impl.mean_loss import accumulate_mean_loss
 from torch_impl.model import BilinearLM
 from torch_impl.optimizers import OptimizerSpec, make_optimizer

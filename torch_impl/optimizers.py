@@ -1,7 +1,7 @@
 """torch.optim SGD and AdamW built from explicit hyperparameters.
 
 Every hyperparameter is passed explicitly, never left to a library default, so the torch
-update and the oracle's (``crosscheck.optimizers``) use the same numbers by construction.
+update and the oracle's (``crosscheck.contract.optimizers``) use the same numbers by construction.
 torch's AdamW applies decoupled weight decay as theta * (1 - lr * wd) before the Adam step,
 which is the same number as the oracle's theta - lr * (direction + wd * theta).
 """

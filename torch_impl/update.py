@@ -213,7 +213,7 @@ def _precheck(
         if error is not None:
             raise error
         # Let the rank holding the bad batch report first: a launcher that names the first
-        # rank to fail (torch_impl.launcher) then names the root cause, not its echo here.
+        # rank to fail (torch_impl.harness.launcher) then names the root cause, not its echo here.
         time.sleep(PEER_REPORT_DELAY_S)
         raise BatchError(
             f"rank {rank}: stopping, rank(s) {', '.join(map(str, bad))} hold bad input; "

@@ -1,0 +1,120 @@
+"""The JAX bug catalogue in its own process: ``python -m crosscheck.bugs.jax_bugs_worker``.
+
+Started by `crosscheck.bugs.jax_bugs`, once per dtype, with eight fake CPU devices (x64 and
+the device count are process-global in JAX). Reads a pickled job ``{"runs": [BugRun...],
+"dtype": str}`` and writes ``{BugRun: BugOutput | str}``, a string being the traceback of a run
+that failed. Runs are validated one by one, so a bad run fails alone; the valid ones are grouped
+by (R, batch shape) and each group runs every pattern it needs in one compiled sweep
+(`jax_impl.harness.bugs_sweep`), reused for every fixture and skew of that shape.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from crosscheck.contract.fixture import BATCH_KEYS
+from crosscheck.diagnosis.patterns import (
+    CLIP_PER_MICROBATCH_NORM,
+    NUM_WINDOWS,
+    RANK_SKEW,
+    BugOutput,
+    BugRun,
+)
+from crosscheck.fixtures.builtin import builtin_fixture
+
+Results = dict[BugRun, BugOutput | str]
+
+
+def _prepare(run: BugRun, dtype: str):
+    """(params, laid-out batch) of a run, or ValueError naming what is wrong with it."""
+    import jax_impl
+    from jax_impl.harness.bugs_sweep import check_patterns, check_world_size
+
+    check_patterns([run.pattern])
+    check_world_size(run.world_size)
+    fixture = builtin_fixture(run.fixture)
+    batch = jax_impl.lay_out_global_batch(
+        {key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS},
+        run.world_size,
+        run.accum_steps,
+        vocab_size=fixture.vocab_size,
+        # Soft weights in the denominator dtype (float64 with x64, else float32), never in
+        # the params' dtype: jax_impl refuses weights narrower than float32.
+        weights_dtype=None,
+    )
+    return jax_impl.params_from_numpy(fixture.params(), dtype), batch
+
+
+def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
+    """Every run of one dtype; a failure is recorded as its traceback, by run."""
+    from jax_impl.harness.bugs_sweep import make_bug_sweep
+
+    results: Results = {}
+    prepared = {}
+    for run in runs:
+        try:
+            if run.dtype != dtype:
+                raise ValueError(f"{run.describe()} sent to the {dtype} worker")
+            prepared[run] = _prepare(run, dtype)
+        except Exception:
+            results[run] = traceback.format_exc(limit=4)
+    # One sweep per (R, [R, M, B, T]): the union of the patterns any fixture of that shape
+    # needs; every fixture (and every rank-skew factor) of the shape reuses its compile.
+    groups: dict[tuple, list[BugRun]] = {}
+    for run, (_, batch) in prepared.items():
+        groups.setdefault((run.world_size, np.shape(batch.targets)), []).append(run)
+    for (world_size, _), group in sorted(groups.items()):
+        patterns = sorted({run.pattern for run in group})
+        calls: dict[tuple[str, float], list[BugRun]] = {}
+        for run in group:
+            # Only rank-skew reads the skew; every other run rides along with any call.
+            skew = run.skew if run.pattern == RANK_SKEW else None
+            calls.setdefault((run.fixture, skew), []).append(run)
+        for fixture_name in sorted({fixture for fixture, _ in calls}):
+            skews = sorted({s for f, s in calls if f == fixture_name and s is not None}) or [1.0]
+            waiting = calls.get((fixture_name, None), [])
+            for skew in skews:
+                todo = waiting + calls.get((fixture_name, skew), [])
+                waiting = []
+                try:
+                    sweep = make_bug_sweep(
+                        patterns,
+                        world_size,
+                        clip_norm=CLIP_PER_MICROBATCH_NORM,
+                        num_windows=NUM_WINDOWS,
+                    )
+                    params, batch = prepared[todo[0]]
+                    outs = sweep(params, batch, skew)
+                except Exception:  # a failed sweep fails its own runs, by name
+                    message = traceback.format_exc(limit=8)
+                    results.update({run: message for run in todo})
+                    continue
+                for run in todo:
+                    out = outs[run.pattern]
+                    results[run] = BugOutput(
+                        grads=out.grads, logged_denominator=out.logged_denominator
+                    )
+    return results
+
+
+def main(argv: Sequence[str]) -> int:
+    job_path, out_path = Path(argv[0]), Path(argv[1])
+    job = pickle.loads(job_path.read_bytes())
+    import jax
+
+    jax.config.update("jax_enable_x64", job["dtype"] == "float64")
+    results = run_all(job["runs"], job["dtype"])
+    tmp = out_path.with_suffix(".tmp")
+    tmp.write_bytes(pickle.dumps(results))
+    tmp.replace(out_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,307 @@
+"""Terminal tables, the JSON report and the per-update JSONL log of a run.
+
+The terminal shows one table per kind of check. By default rows are grouped (vs-oracle rows by
+scheme and implementation, over fixtures, strategies and layouts; see GROUP_BY) with the worst
+error of the group; `--rows case` prints one row per case instead. The JSON holds every row.
+Combinations of the plan that do not run are counted by reason in the summary line, tabulated,
+and listed one by one in the JSON (`skipped`).
+
+Every table has a compact layout for narrow terminals (80 columns): the names that identify a
+row share one column that wraps between names, never inside one, and the numbers keep their
+own columns. `fitted` prints the wide layout where it fits the console and the compact one
+where the wide one would cut a cell.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
+
+from crosscheck import exit_codes
+from crosscheck.contract.cases import Case, CaseResult, RankMetrics, SkippedCase
+from crosscheck.contract.schemes import get_scheme
+from crosscheck.judge.compare import RTOL_BY_DTYPE
+from crosscheck.launch.schedule import JobTiming
+
+CHECK_TITLES = {
+    "layout-invariance": "oracle: gradient under each layout vs the single-device gradient",
+    "vs-oracle": "implementations vs the oracle (gradient and params after the last update)",
+    "cross-impl": "implementations vs each other (gradients)",
+    "world-size-change": "world-size change: same global batch, R x M fixed, same update?",
+    "resume": "checkpoint resume vs an uninterrupted run",
+    "clipping": "clipping placement",
+}
+
+
+def _verdict(rows: list[CaseResult]) -> str:
+    failed = [r for r in rows if not r.ok]
+    if failed and all(r.not_run for r in failed):
+        return "[red]NOT RUN[/]"
+    if failed:
+        return "[red]FAIL[/]"
+    if rows[0].check == "clipping" or (
+        rows[0].check in ("layout-invariance", "world-size-change")
+        and not get_scheme(rows[0].scheme).intended
+    ):
+        # An accidental scheme moves with the layout, except where the layouts compared split
+        # the batch into the same microbatches (microbatch_mean at fixed R x M). Clipping per
+        # microbatch moves the update only where a norm exceeds the threshold.
+        tol = 2 * RTOL_BY_DTYPE[rows[0].dtype]
+        if max(r.max_rel_err for r in rows) > tol:
+            return "[yellow]differs, as expected[/]"
+        return "[green]same here[/]"
+    return "[green]pass[/]"
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
+
+
+#: What rows of each check are grouped by in the default (grouped) table.
+GROUP_BY: dict[str, tuple[str, ...]] = {
+    "layout-invariance": ("scheme",),
+    "vs-oracle": ("scheme", "impl"),
+    "cross-impl": ("scheme",),
+    "world-size-change": ("scheme", "impl"),
+    "resume": ("impl", "strategy"),
+    "clipping": ("strategy",),
+}
+COLUMNS = ("fixture", "scheme", "impl", "strategy")
+PLURALS = {"fixture": "fixtures", "scheme": "schemes", "impl": "impls", "strategy": "strategies"}
+
+
+def _collapse(values: set[str], noun: str) -> str:
+    return next(iter(values)) if len(values) == 1 else f"{len(values)} {noun}"
+
+
+def cuts_a_cell(console: Console, table: Table) -> bool:
+    """Whether `table` printed on `console` would cut a cell short.
+
+    Two tests, both needed: the table's minimum width (every cell's longest word, borders and
+    padding) must fit the console, or rich squeezes some columns below it (down to nothing,
+    without a mark); and rendered at the console's width it must show no ellipsis.
+    """
+    unbounded = console.options.update_width(10_000)
+    if Measurement.get(console, unbounded, table).minimum > console.width:
+        return True
+    probe = Console(width=console.width, file=io.StringIO(), color_system=None)
+    probe.print(table)
+    return "\u2026" in probe.file.getvalue()
+
+
+def fitted(console: Console, wide: Table, compact: Callable[[], Table]) -> Table:
+    """`wide` where it fits `console` without cutting a cell, else `compact()`."""
+    return compact() if cuts_a_cell(console, wide) else wide
+
+
+def _compact_verdict(verdict: str) -> str:
+    # Two short lines instead of one long one: the result column stays narrow.
+    return verdict.replace(", as expected", ",\nas expected").replace("same here", "same\nhere")
+
+
+def results_table(
+    check: str, rows: list[CaseResult], per_case: bool, compact: bool = False
+) -> Table:
+    """One check's rows, grouped (GROUP_BY) or one per case.
+
+    `compact` (for narrow terminals): fixture, scheme, impl and strategy (and R, M, dtype per
+    case) share the first column, the only one that wraps (between names), and the headers
+    take two lines.
+    """
+    table = Table(title=CHECK_TITLES.get(check, check), title_justify="left")
+    numbers = ["max rel err", "vs token_mean", "weight ratio", "result"]
+    if compact:
+        names = [*COLUMNS, *(("R", "M", "dtype") if per_case else ())]
+        table.add_column(" ".join(names), overflow="fold")
+        for column in ([] if per_case else ["cases"]) + numbers:
+            table.add_column(column.replace(" ", "\n", 1), justify="right", no_wrap=True)
+    else:
+        columns = [*COLUMNS, *(("R", "M", "dtype") if per_case else ("cases",)), *numbers]
+        for column in columns:
+            table.add_column(column, justify="left" if column in COLUMNS else "right")
+    key_fields = (*COLUMNS, "world_size", "accum_steps", "dtype") if per_case else GROUP_BY[check]
+    groups: dict[tuple, list[CaseResult]] = {}
+    for row in rows:
+        groups.setdefault(tuple(getattr(row, f) for f in key_fields), []).append(row)
+    for group in groups.values():
+        deviations = [r.deviation for r in group if r.deviation is not None]
+        cells = [_collapse({getattr(r, field) for r in group}, PLURALS[field]) for field in COLUMNS]
+        if per_case:
+            cells += [str(group[0].world_size), str(group[0].accum_steps), group[0].dtype]
+        if compact:
+            if per_case:
+                cells = [*cells[:4], f"R={cells[4]} M={cells[5]}", cells[6]]
+            cells = [" ".join(cells)]
+        if not per_case:
+            cells.append(str(len(group)))
+        verdict = _verdict(group)
+        cells += [
+            _fmt(max(r.max_rel_err for r in group)),
+            _fmt(max(deviations)) if deviations else "-",
+            f"{max(r.weight_ratio for r in group):.3g}",
+            _compact_verdict(verdict) if compact else verdict,
+        ]
+        table.add_row(*cells)
+    return table
+
+
+def print_results(console: Console, rows: list[CaseResult], per_case: bool = False) -> None:
+    by_check: dict[str, list[CaseResult]] = {}
+    for row in rows:
+        by_check.setdefault(row.check, []).append(row)
+    for check, group in by_check.items():
+        wide = results_table(check, group, per_case)
+        console.print(
+            fitted(console, wide, lambda c=check, g=group: results_table(c, g, per_case, True))
+        )
+    failures = [r for r in rows if not r.ok]
+    for row in failures[:20]:
+        verdict = "NOT RUN" if row.not_run else "FAIL"
+        console.print(
+            f"[red]{verdict}[/] {row.check} {row.impl} {row.fixture}/{row.scheme} {row.strategy} "
+            f"R={row.world_size} M={row.accum_steps} {row.dtype}: {row.detail}"
+        )
+    if len(failures) > 20:
+        console.print(f"[red]... and {len(failures) - 20} more failures (see --json)[/]")
+
+
+def timings_table(timings: Iterable[JobTiming]) -> Table:
+    """When each job of the run started and ended: where the wall time went."""
+    table = Table(title="jobs (seconds since the run's jobs began)")
+    for column in ("job", "processes", "start", "end", "took"):
+        table.add_column(column, justify="left" if column == "job" else "right")
+    for t in timings:
+        took = t.end - t.start
+        table.add_row(t.name, str(t.processes), f"{t.start:.1f}", f"{t.end:.1f}", f"{took:.1f}")
+    return table
+
+
+def run_ok(rows: Sequence[CaseResult]) -> bool:
+    """The verdict of a run: at least one row, and every row what the contract expects (a
+    run that checked nothing has not passed)."""
+    return bool(rows) and all(r.ok for r in rows)
+
+
+def run_exit_code(rows: Sequence[CaseResult]) -> int:
+    """`run`'s exit status (crosscheck.exit_codes): OK when `run_ok`; STEP_FAILED when every
+    failing row is one that could not be run (`CaseResult.not_run`: an implementation raised,
+    timed out or came back with nothing comparable); MISMATCH otherwise, a run that checked
+    nothing included. A mismatch wins over a crash."""
+    if run_ok(rows):
+        return exit_codes.OK
+    failed = [r for r in rows if not r.ok]
+    if rows and all(r.not_run for r in failed):
+        return exit_codes.STEP_FAILED
+    return exit_codes.MISMATCH
+
+
+def skip_reasons(skipped: Iterable[SkippedCase]) -> list[tuple[str, int]]:
+    """(reason, how many combinations it skipped), the most frequent first."""
+    return Counter(s.reason for s in skipped).most_common()
+
+
+def skipped_table(skipped: Sequence[SkippedCase], compact: bool = False) -> Table:
+    """The plan's combinations that did not run, one row per reason.
+
+    `compact` (for narrow terminals): the checks, impls and fixtures share one column, a line
+    each, and the count's header is shorter.
+    """
+    table = Table(
+        title="planned combinations not run (see --json for each one)", title_justify="left"
+    )
+    columns = (
+        ("reason", "count", "checks / impls / fixtures")
+        if compact
+        else ("reason", "combinations", "checks", "impls", "fixtures")
+    )
+    for column in columns:
+        right = column in ("combinations", "count")
+        table.add_column(column, justify="right" if right else "left", no_wrap=right)
+    for reason, count in skip_reasons(skipped):
+        mine = [s for s in skipped if s.reason == reason]
+        where = [
+            ", ".join(sorted({s.check for s in mine})),
+            ", ".join(sorted({s.impl for s in mine})),
+            ", ".join(sorted({s.fixture for s in mine})),
+        ]
+        table.add_row(escape(reason), str(count), *(["\n".join(where)] if compact else where))
+    return table
+
+
+def print_skipped(console: Console, skipped: Sequence[SkippedCase]) -> None:
+    """`skipped_table`, in the layout that fits the console."""
+    console.print(fitted(console, skipped_table(skipped), lambda: skipped_table(skipped, True)))
+
+
+def summary_line(
+    rows: Sequence[CaseResult], wall_s: float, skipped: Sequence[SkippedCase] = ()
+) -> str:
+    """One line: rows, failures, the verdict, what the plan did not run and why, wall time."""
+    failed = sum(not r.ok for r in rows)
+    not_run = sum(not r.ok and r.not_run for r in rows)
+    accidental = sum(not get_scheme(r.scheme).intended for r in rows if r.ok)
+    if not rows:
+        verdict = "[red]FAILED: nothing was checked[/]"
+    else:
+        verdict = "[green]OK[/]" if not failed else "[red]FAILED[/]"
+    could_not_run = f", {not_run} of them could not be run" if not_run else ""
+    line = (
+        f"{len(rows)} rows, {failed} failed{could_not_run} ({accidental} rows of accidental "
+        f"schemes behaved as the accident predicts): {verdict}"
+    )
+    if skipped:
+        reasons = skip_reasons(skipped)
+        by_reason = "; ".join(f"{count} {escape(reason)}" for reason, count in reasons)
+        line += f"; {len(skipped)} planned combinations not run: {by_reason}"
+    return f"{line}   wall time {wall_s:.1f} s"
+
+
+def write_json(
+    path: Path,
+    rows: Sequence[CaseResult],
+    wall_s: float,
+    meta: dict[str, Any],
+    skipped: Sequence[SkippedCase] = (),
+) -> None:
+    """The report: `ok`, `wall_s`, `meta`'s keys, `skipped` (every combination of the plan
+    that did not run, with its reason) and `results` (every row)."""
+    payload = {
+        "ok": run_ok(rows),
+        "wall_s": round(wall_s, 3),
+        **meta,
+        "skipped": [s.to_json() for s in skipped],
+        "results": [r.to_json() for r in rows],
+    }
+    # The CLI checked up front that the directory can be created: create it.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
+
+
+def write_update_log(path: Path, metrics: Iterable[tuple[Case, RankMetrics]]) -> int:
+    """One JSON record per rank per update; returns the number of records."""
+    count = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as log:
+        for case, m in metrics:
+            record = {
+                "impl": case.impl,
+                "fixture": case.fixture,
+                "scheme": case.scheme,
+                "strategy": case.strategy,
+                "world_size": case.world_size,
+                "accum_steps": case.accum_steps,
+                "dtype": case.dtype,
+                **m._asdict(),
+            }
+            log.write(json.dumps(record, allow_nan=False) + "\n")
+            count += 1
+    return count

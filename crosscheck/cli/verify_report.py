@@ -1,0 +1,144 @@
+"""`python -m crosscheck verify`: run a user's step, print one row per case and the verdict.
+
+The exit status (`verify_exit_code`, see `crosscheck.exit_codes`): 0 every case matches; 1 some
+case was diagnosed as not matching (a non-finite gradient included); 3 no case mismatched but
+some could not be run or read (a `crosscheck.verification.protocol.StepError`); 2 a set-up error,
+found before any process starts (`crosscheck.verification.verifier.StepSetupError` for a ``--step``
+that does not exist, or any other bad argument).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from crosscheck import exit_codes
+from crosscheck.cli.report import fitted
+from crosscheck.diagnosis.verdict import LEVEL_NAMES
+from crosscheck.verification.verifier import VerifyCase, VerifyReport, verify
+
+
+def _result(case: VerifyCase) -> str:
+    return "[green]pass[/]" if case.ok else ("[red]error[/]" if case.error else "[red]FAIL[/]")
+
+
+def _number(value: float, spec: str) -> str:
+    # NaN (no scale of a non-finite gradient) says nothing a "-" does not; inf ("unbounded"
+    # weight ratio) does.
+    return "-" if math.isnan(value) else format(value, spec)
+
+
+def _error(value: float) -> str:
+    # As before: a non-finite error is "-", the message says why.
+    return format(value, ".2e") if math.isfinite(value) else "-"
+
+
+def verify_table(report: VerifyReport) -> Table:
+    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme.spec}")
+    for column in (
+        "fixture",
+        "layout",
+        "max rel err",
+        "precision",
+        "diagnosed as",
+        "weight ratio",
+        "scale",
+    ):
+        table.add_column(column, justify="left" if column in ("fixture", "layout") else "right")
+    table.add_column("result", justify="right")
+    for case in report.cases:
+        d = case.diagnosis
+        table.add_row(
+            case.job.fixture,
+            f"R={case.job.world_size},M={case.job.accum_steps}",
+            _error(case.max_rel_err),
+            "-" if d is None else LEVEL_NAMES[d.precision],
+            "-" if d is None else d.best_match,
+            "-" if d is None else _number(d.weight_ratio, ".4g"),
+            "-" if d is None else _number(d.scale, ".6g"),
+            _result(case),
+        )
+    return table
+
+
+def compact_verify_table(report: VerifyReport) -> Table:
+    """`verify_table` for narrow terminals: each cell stacks two or three values.
+
+    Fixture over layout, diagnosis over precision, the three numbers over each other. Only the
+    fixture column wraps (a fixture given as a long path); the others hold whole names.
+    """
+    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme.spec}")
+    table.add_column("fixture\nlayout", overflow="fold")
+    table.add_column("diagnosed as\nprecision", no_wrap=True)
+    table.add_column("max rel err\nweight ratio\nscale", justify="right", no_wrap=True)
+    table.add_column("result", justify="right", no_wrap=True)
+    for case in report.cases:
+        d = case.diagnosis
+        numbers = [_error(case.max_rel_err)]
+        if d is not None:
+            numbers += [_number(d.weight_ratio, ".4g"), _number(d.scale, ".6g")]
+        table.add_row(
+            f"{case.job.fixture}\nR={case.job.world_size},M={case.job.accum_steps}",
+            "-" if d is None else f"{d.best_match}\n{LEVEL_NAMES[d.precision]}",
+            "\n".join(numbers),
+            _result(case),
+        )
+    return table
+
+
+def print_verify_table(console: Console, report: VerifyReport) -> None:
+    """The report's table, in the layout that fits the console."""
+    console.print(fitted(console, verify_table(report), lambda: compact_verify_table(report)))
+
+
+def verify_exit_code(report: VerifyReport) -> int:
+    """OK, MISMATCH (some case diagnosed as not matching) or STEP_FAILED (no case mismatched,
+    some could not be run or read); see `crosscheck.exit_codes`."""
+    if report.ok:
+        return exit_codes.OK
+    if any(not case.ok and case.diagnosis is not None for case in report.cases):
+        return exit_codes.MISMATCH
+    return exit_codes.STEP_FAILED
+
+
+def verify_command(args: argparse.Namespace, console: Console) -> int:
+    started = time.perf_counter()
+    precision = "float64" if args.strict else args.precision
+    if args.strict and args.precision not in ("auto", "float64"):
+        console.print(
+            f"[red]crosscheck verify: --strict is --precision float64, not {args.precision}[/]"
+        )
+        return exit_codes.SETUP_ERROR
+    try:
+        with console.status(f"running {args.step} in {args.framework} processes"):
+            report = verify(
+                args.step,
+                framework=args.framework,
+                scheme=args.scheme,
+                fixtures=args.fixtures,
+                world_sizes=args.world_sizes,
+                accum_steps=args.accum,
+                timeout_s=args.timeout,
+                precision=precision,
+                dtype=args.dtype,
+            )
+    except ValueError as error:  # StepSetupError included: refused before any process started
+        # One line, whatever the terminal's width: soft_wrap leaves the wrapping to it.
+        console.print(f"[red]crosscheck verify: {escape(str(error))}[/]", soft_wrap=True)
+        return exit_codes.SETUP_ERROR
+    print_verify_table(console, report)
+    console.print(report.message(), markup=False, highlight=False)
+    wall = time.perf_counter() - started
+    console.print(f"{'OK' if report.ok else 'FAIL'}   wall time {wall:.1f} s")
+    if args.json is not None:
+        record = report.to_json()
+        record["wall_time_s"] = wall
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    return verify_exit_code(report)

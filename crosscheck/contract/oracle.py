@@ -1,0 +1,175 @@
+r"""The float64 oracle: loss and gradient of the intended objective, in closed form.
+
+The bilinear model of every fixture: for token t with input :math:`x_t` and target
+:math:`y_t`,
+
+.. math::
+
+    z_t = E[x_t]\, U, \qquad l_t = \operatorname{logsumexp}(z_t) - z_{t, y_t}
+
+with :math:`E` = ``embed`` [V, H] and :math:`U` = ``unembed`` [H, V]. With
+:math:`p_t = \operatorname{softmax}(z_t)`, :math:`e_t = p_t - \operatorname{onehot}(y_t)` and the
+effective weight :math:`c_t = a_t / D` of the scheme,
+
+.. math::
+
+    \frac{\partial L}{\partial U} = \sum_t c_t\, E[x_t]^\top e_t, \qquad
+    \frac{\partial L}{\partial E[x]} = \sum_{t:\, x_t = x} c_t\, U e_t.
+
+No autodiff: the tests check this against central finite differences of the loss.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.layout import IGNORE_INDEX, LaidOutBatch
+from crosscheck.contract.schemes import Scheme, get_scheme
+
+Params = dict[str, np.ndarray]
+
+
+class TokenTerms(NamedTuple):
+    """Per-token loss l_t [N, T] (0 where ignored) and softmax error e_t [N, T, V]."""
+
+    losses: np.ndarray
+    errors: np.ndarray
+
+
+def token_terms(params: Params, inputs: np.ndarray, targets: np.ndarray) -> TokenTerms:
+    """l_t and e_t = softmax(z_t) - onehot(y_t) for every token, in float64."""
+    embed = np.asarray(params["embed"], dtype=np.float64)
+    unembed = np.asarray(params["unembed"], dtype=np.float64)
+    valid = targets != IGNORE_INDEX
+    safe_targets = np.where(valid, targets, 0)
+    logits = embed[inputs] @ unembed
+    peak = logits.max(axis=-1, keepdims=True)
+    shifted = logits - peak
+    log_norm = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    probs = np.exp(shifted - log_norm)
+    target_logit = np.take_along_axis(shifted, safe_targets[..., None], axis=-1)
+    losses = np.where(valid, (log_norm - target_logit)[..., 0], 0.0)
+    onehot = np.zeros_like(probs)
+    np.put_along_axis(onehot, safe_targets[..., None], 1.0, axis=-1)
+    errors = np.where(valid[..., None], probs - onehot, 0.0)
+    return TokenTerms(losses, errors)
+
+
+def weighted_loss(params: Params, inputs: np.ndarray, targets: np.ndarray, c: np.ndarray) -> float:
+    """L = sum_t c_t l_t (correctly rounded sum)."""
+    losses = token_terms(params, inputs, targets).losses
+    return math.fsum((c * losses).ravel().tolist())
+
+
+def weighted_grad(params: Params, inputs: np.ndarray, targets: np.ndarray, c: np.ndarray) -> Params:
+    """dL/dparams of L = sum_t c_t l_t, closed form (see the module docstring)."""
+    errors = token_terms(params, inputs, targets).errors
+    return _grad_from_errors(params, inputs, errors, c)
+
+
+def _grad_from_errors(params: Params, inputs: np.ndarray, errors: np.ndarray, c: np.ndarray):
+    """`weighted_grad` given the tokens' softmax errors e_t (computed once by the caller)."""
+    embed = np.asarray(params["embed"], dtype=np.float64)
+    unembed = np.asarray(params["unembed"], dtype=np.float64)
+    flat_inputs = inputs.ravel()
+    scaled = (c[..., None] * errors).reshape(flat_inputs.size, -1)  # c_t e_t, [tokens, V]
+    d_unembed = embed[flat_inputs].T @ scaled
+    d_embed = np.zeros_like(embed)
+    np.add.at(d_embed, flat_inputs, scaled @ unembed.T)
+    return {"embed": d_embed, "unembed": d_unembed}
+
+
+def token_jacobian(params: Params, inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Every valid token's own gradient of l_t, flattened: [valid tokens, V H + H V].
+
+    Row i is d l_t / d(embed, unembed) for the i-th valid token in [N, T] order, with the
+    embed block first (the order of sorted parameter names). For any weights c,
+    ``c[valid] @ J`` is `weighted_grad` flattened: diagnosis fits against these rows.
+    """
+    embed = np.asarray(params["embed"], dtype=np.float64)
+    unembed = np.asarray(params["unembed"], dtype=np.float64)
+    valid = targets != IGNORE_INDEX
+    errors = token_terms(params, inputs, targets).errors[valid]  # e_t, [n, V]
+    x = inputs[valid]
+    n, (V, H) = x.size, embed.shape
+    d_embed = np.zeros((n, V, H))
+    d_embed[np.arange(n), x] = errors @ unembed.T  # only row x_t of embed: U e_t
+    d_unembed = embed[x][:, :, None] * errors[:, None, :]  # E[x_t]^T e_t, [n, H, V]
+    return np.concatenate([d_embed.reshape(n, -1), d_unembed.reshape(n, -1)], axis=1)
+
+
+class OracleResult(NamedTuple):
+    """The objective of one update over the whole global batch, and what went into it."""
+
+    loss: float
+    grads: Params
+    denominator: float
+    #: Effective weight a_t / D of every token, global [N, T] order.
+    token_weights: np.ndarray
+    #: True when no token of the update carries weight: the loss and gradient are exactly 0.
+    no_valid_tokens: bool
+    #: Valid targets per rank, [R].
+    rank_valid_tokens: np.ndarray
+    #: Unnormalized loss sum per rank, sum of a_t l_t (intended schemes) [R].
+    rank_loss_sums: np.ndarray
+
+
+def loss_and_grad(
+    fixture: Fixture,
+    scheme: str | Scheme,
+    world_size: int = 1,
+    accum_steps: int = 1,
+    params: Params | None = None,
+) -> OracleResult:
+    """The oracle's objective and gradient for `scheme` on `fixture` laid out as (R, M).
+
+    `params` defaults to the fixture's own. For the accidental schemes the denominator is
+    reported as R (rank_mean) or R M (microbatch_mean) and the unnormalized per-rank sums are
+    those of the rank's own means.
+    """
+    scheme = get_scheme(scheme)
+    params = fixture.params() if params is None else params
+    batch = fixture.layout(world_size, accum_steps)
+    weights = batch.to_global(scheme.effective_weights(batch))
+    denominator = _denominator(scheme, batch)
+    terms = token_terms(params, fixture.inputs, fixture.targets)
+    loss = math.fsum((weights * terms.losses).ravel().tolist())
+    grads = _grad_from_errors(params, fixture.inputs, terms.errors, weights)
+    no_valid = not np.any(weights)
+    rank_weights = (weights * denominator).reshape(world_size, -1)
+    rank_losses = terms.losses.reshape(world_size, -1)
+    return OracleResult(
+        loss=loss,
+        grads=grads,
+        denominator=denominator,
+        token_weights=weights,
+        no_valid_tokens=no_valid,
+        rank_valid_tokens=batch.valid.reshape(world_size, -1).sum(axis=1),
+        rank_loss_sums=np.array(
+            [math.fsum((w * x).tolist()) for w, x in zip(rank_weights, rank_losses, strict=True)]
+        ),
+    )
+
+
+def _denominator(scheme: Scheme, batch: LaidOutBatch) -> float:
+    if scheme.name == "rank_mean":
+        return float(batch.layout.world_size)
+    return scheme.global_denominator(batch)
+
+
+def loss(
+    fixture: Fixture,
+    scheme: str | Scheme,
+    world_size: int = 1,
+    accum_steps: int = 1,
+    params: Params | None = None,
+) -> float:
+    """The objective alone (used by the finite-difference tests)."""
+    params = fixture.params() if params is None else params
+    batch = fixture.layout(world_size, accum_steps)
+    weights = batch.to_global(get_scheme(scheme).effective_weights(batch))
+    return weighted_loss(params, fixture.inputs, fixture.targets, weights)

@@ -1,0 +1,245 @@
+r"""What each scheme and each known bug pattern predicts for a gradient, from the oracle.
+
+Diagnosis compares a gradient with every candidate's prediction. A candidate is a named
+per-token effective weighting :math:`w_t` (its gradient is the oracle's
+:math:`\sum_t w_t \nabla l_t`) plus, where the pattern defines it, the denominator the step
+would log. Relative to the intended scheme's weights :math:`w^I_t = a_t / D`
+(R ranks, M microbatches, :math:`D_r` / :math:`d_{rm}` a rank's / microbatch's share of D):
+
+==================== ======================================================================
+rank-mean            :math:`a_t / (R\, D_r)` (each rank normalizes locally, ranks averaged)
+microbatch-mean      :math:`a_t / (R M\, d_{rm})` (each microbatch normalizes locally)
+missing-world-size   :math:`w^I / R`, logs D
+double-reduce-count  :math:`w^I / R`, logs R D (same gradient: only the log tells them apart)
+double-world-size    :math:`R\, w^I`
+double-accum-scale   :math:`M\, w^I`
+double-accum-divide  :math:`w^I / M`
+unshifted-count      :math:`w^I D / (D + n_{rows})`, rows with a valid target (token mean)
+attention-mask-count :math:`w^I D / A`, A attended positions (token mean)
+padding-as-tokens    :math:`w^I D / (N T)` (token mean)
+packed-as-one        row-mean weights (sequence mean intended)
+stale-count          :math:`w^I D / (D + \sum \text{earlier } D)`
+clip-per-microbatch  :math:`w^I \min(1, c / \lVert g_m \rVert)` per accumulation step m, with
+                     torch's or optax's clipping convention
+float32-count        :math:`w^I D / \tilde D`, :math:`\tilde D` a float32 number near D > 2^24
+==================== ======================================================================
+
+and every other scheme's own weights under its own name. The definitions of what each buggy
+step does are in `crosscheck.diagnosis.patterns`; this module is the numpy side of that contract.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.layout import LaidOutBatch
+from crosscheck.contract.optimizers import TORCH_CLIP_EPS, global_norm
+from crosscheck.contract.oracle import Params
+from crosscheck.contract.schemes import SCHEMES, Scheme, TokenMean, WeightedMean
+from crosscheck.diagnosis.patterns import PATTERNS
+
+#: Largest relative distance from D at which a float32 denominator is still float32-count:
+#: a few float32 roundings of a sum of a few thousand terms (eps 6e-8 each).
+FLOAT32_COUNT_MAX_REL = 2.0**-12
+#: Below this, D is exact in float32 and float32-count cannot occur.
+FLOAT32_EXACT_LIMIT = 2.0**24
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A named prediction: effective weights [N, T] and the denominator the step logs."""
+
+    name: str
+    kind: str  # "intended", "pattern", "scheme" or "family"
+    weights: np.ndarray
+    logged_denominator: float | None = None
+    note: str = ""
+    #: At this layout the candidate is another one by construction (rank-mean at R = 1 is the
+    #: intended scheme, microbatch-mean at M = 1 is rank-mean): it never names a case, but it
+    #: counts when a run asks which name fits every case (``crosscheck.diagnosis.naming``).
+    degenerate: bool = False
+
+
+#: The oracle gradient of given [N, T] effective weights (diagnosis passes a fast one).
+GradOf = Callable[[np.ndarray], Params]
+
+
+def _local_denominators(scheme: Scheme, batch: LaidOutBatch) -> np.ndarray | None:
+    """d of every microbatch, [R, M]; None for schemes without one (sum, fixed constant)."""
+    if scheme.fixed_denominator is not None or not scheme.intended:
+        return None
+    R, M = batch.layout.world_size, batch.layout.accum_steps
+    return np.array(
+        [[scheme.denominator(batch.microbatch(r, m)) for m in range(M)] for r in range(R)]
+    )
+
+
+def _local_weights(scheme: Scheme, batch: LaidOutBatch) -> np.ndarray:
+    """a_t of every token, [R, M, B, T]."""
+    R, M = batch.layout.world_size, batch.layout.accum_steps
+    out = np.zeros(batch.targets.shape, dtype=np.float64)
+    for r in range(R):
+        for m in range(M):
+            out[r, m] = scheme.token_weights(batch.microbatch(r, m))
+    return out
+
+
+def _divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    """numerator / denominator with 0 where the denominator is 0 (an empty rank adds nothing)."""
+    safe = np.where(denominator > 0, denominator, 1.0)
+    return np.where(denominator > 0, numerator / safe, 0.0)
+
+
+def local_mean_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
+    """rank-mean and microbatch-mean of the intended scheme's own (a_t, d)."""
+    d = _local_denominators(intended, batch)
+    if d is None:
+        return []
+    R, M = d.shape
+    a = _local_weights(intended, batch)
+    per_rank = d.sum(axis=1)
+    # At R = 1 rank-mean is the intended scheme; at M = 1 a microbatch is a rank and
+    # microbatch-mean is rank-mean itself: degenerate there.
+    w = _divide(a, per_rank[:, None, None, None]) / R
+    rank_mean = Candidate(
+        "rank-mean", "pattern", batch.to_global(w), float(per_rank[0]), degenerate=R == 1
+    )
+    w = _divide(a, d[:, :, None, None]) / (R * M)
+    microbatch_mean = Candidate(
+        "microbatch-mean", "pattern", batch.to_global(w), float(d[0, -1]), degenerate=M == 1
+    )
+    return [rank_mean, microbatch_mean]
+
+
+def scale_candidates(
+    intended: Scheme,
+    fixture: Fixture,
+    batch: LaidOutBatch,
+    weights: np.ndarray,
+    previous_denominators: tuple[float, ...],
+) -> list[Candidate]:
+    """Patterns that weigh every token as intended but scale the gradient."""
+    R, M = batch.layout.world_size, batch.layout.accum_steps
+    D = intended.global_denominator(batch)
+    # A factor R (or M) of 1 is the intended gradient: degenerate at R = 1 (M = 1).
+    out = [
+        Candidate("missing-world-size", "pattern", weights / R, D, degenerate=R == 1),
+        Candidate("double-reduce-count", "pattern", weights / R, R * D, degenerate=R == 1),
+        Candidate("double-world-size", "pattern", weights * R, D, degenerate=R == 1),
+        Candidate("double-accum-scale", "pattern", weights * M, D, degenerate=M == 1),
+        Candidate("double-accum-divide", "pattern", weights / M, D, degenerate=M == 1),
+    ]
+    if previous_denominators and D > 0:
+        stale = D + sum(previous_denominators)
+        out.append(Candidate("stale-count", "pattern", weights * (D / stale), stale))
+    if isinstance(intended, TokenMean) and D > 0:
+        valid = fixture.valid
+        rows = float(np.count_nonzero(valid.any(axis=1)))
+        attended = float(np.count_nonzero(fixture.segment_ids > 0))
+        slots = float(valid.size)
+        out += [
+            Candidate("unshifted-count", "pattern", weights * (D / (D + rows)), D + rows),
+            Candidate("attention-mask-count", "pattern", weights * (D / attended), attended),
+            Candidate("padding-as-tokens", "pattern", weights * (D / slots), slots),
+        ]
+    if intended.name == "sequence_mean":
+        row_mean = SCHEMES["row_mean"]
+        out.append(
+            Candidate(
+                "packed-as-one",
+                "pattern",
+                batch.to_global(row_mean.effective_weights(batch)),
+                row_mean.global_denominator(batch),
+            )
+        )
+    return out
+
+
+def clip_candidates(
+    grad_of: GradOf, batch: LaidOutBatch, weights: np.ndarray, max_norm: float
+) -> list[Candidate]:
+    """clip-per-microbatch: each accumulation step's all-rank gradient clipped, then summed."""
+    M = batch.layout.accum_steps
+    if M < 2:
+        return []  # one microbatch per rank: clipping it is clipping after accumulation
+    step_of = np.broadcast_to(np.arange(M)[None, :, None, None], batch.targets.shape)
+    step_of = batch.to_global(step_of)
+    norms = [global_norm(grad_of(weights * (step_of == m))) for m in range(M)]
+    out = []
+    for convention, factor in (
+        ("optax", [1.0 if n < max_norm else max_norm / n for n in norms]),
+        ("torch", [min(max_norm / (n + TORCH_CLIP_EPS), 1.0) for n in norms]),
+    ):
+        scale = np.asarray(factor)[step_of]
+        out.append(
+            Candidate(
+                "clip-per-microbatch",
+                "pattern",
+                weights * scale,
+                note=f"{convention} clipping at {max_norm:g}; step norms "
+                + ", ".join(f"{n:.3g}" for n in norms),
+            )
+        )
+    return out
+
+
+def float32_count_candidate(
+    intended: Scheme, batch: LaidOutBatch, weights: np.ndarray, scale: float
+) -> list[Candidate]:
+    """float32-count: the gradient's fitted scale implies a float32 denominator near D.
+
+    The float32 result depends on the order of the float32 additions, which the diagnosis
+    cannot know; it reads the implied denominator D / scale instead and accepts it when it is
+    a float32 number other than D within a few roundings of D.
+    """
+    if not isinstance(intended, (TokenMean, WeightedMean)) or not scale > 0:
+        return []
+    D = intended.global_denominator(batch)
+    if D <= FLOAT32_EXACT_LIMIT:
+        return []
+    implied = float(np.float32(D / scale))
+    # A float32 running sum of n terms rounds each partial sum once: it drifts from D by about
+    # sqrt(n) roundings of half a float32 ulp of D. Farther than sqrt(n) ulps is a wrong count,
+    # not a float32 one (it would otherwise name any scale within 2^-12 of 1).
+    summands = max(int(np.count_nonzero(weights)), 1)
+    window = math.sqrt(summands) * float(np.spacing(np.float32(D)))
+    if implied == D or abs(implied - D) > min(window, FLOAT32_COUNT_MAX_REL * D):
+        return []
+    note = f"the denominator was {implied:.0f} instead of D = {D:.0f}"
+    return [Candidate("float32-count", "pattern", weights * (D / implied), implied, note)]
+
+
+def scheme_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
+    """Every other scheme under its own name (a gradient of the wrong scheme altogether).
+
+    The accidental schemes are left out where the rank-mean and microbatch-mean patterns of
+    the intended scheme already are them (token mean); rank_mean at R = 1 is token_mean and
+    microbatch_mean at M = 1 is rank_mean, so they are degenerate there.
+    """
+    skip = {intended.name}
+    if isinstance(intended, TokenMean):
+        skip |= {"rank_mean", "microbatch_mean"}
+    R, M = batch.layout.world_size, batch.layout.accum_steps
+    degenerate = {"rank_mean": R == 1, "microbatch_mean": M == 1}
+    return [
+        Candidate(
+            name,
+            "scheme",
+            batch.to_global(scheme.effective_weights(batch)),
+            degenerate=degenerate.get(name, False),
+        )
+        for name, scheme in SCHEMES.items()
+        if name not in skip
+    ]
+
+
+def known_names() -> tuple[str, ...]:
+    """Every name a diagnosis can give: schemes, docs/bugs.md patterns and the reweighting
+    families of `crosscheck.diagnosis.families` (listed here, not imported: families build on this
+    module)."""
+    return (*SCHEMES, *PATTERNS, "scale", "rank-skew", "microbatch-skew")

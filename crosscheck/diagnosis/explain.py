@@ -1,0 +1,250 @@
+"""One paragraph of plain language per diagnosis: what the weights are, why, and what to do."""
+
+from __future__ import annotations
+
+import math
+
+from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, kind_of, signature_of
+from crosscheck.diagnosis.patterns import PATTERNS
+from crosscheck.diagnosis.result import Diagnosis
+from crosscheck.diagnosis.verdict import LEVEL_NAMES, PRECISIONS, auto_levels, level_of
+
+#: Where the worked loops are, for every fix.
+GUIDE = "README, 'Using it in your own loop'"
+
+#: What to do when a family (no catalogued pattern) names the gradient.
+FAMILY_FIXES: dict[str, str] = {
+    "scale": "every token is weighted right but the gradient is scaled: look for a factor on "
+    "the loss (the world size, the accumulation steps, a loss scale) or a denominator other "
+    "than the intended one",
+    "rank-skew": "ranks weigh their tokens differently: every rank must divide by the same "
+    "global denominator, counted with one all-reduce before the backward",
+    "microbatch-skew": "microbatches weigh their tokens differently: every microbatch must be "
+    "divided by the same denominator of the whole update, counted before the first backward",
+}
+
+
+def _mean_weight_by(diagnosis: Diagnosis, key) -> dict:
+    """Token-weighted mean recovered per-token weight of each key (rank, or rank+microbatch)."""
+    sums: dict = {}
+    for group in diagnosis.groups:
+        total, count = sums.get(key(group), (0.0, 0))
+        sums[key(group)] = (total + group.weight * group.tokens, count + group.tokens)
+    return {k: total / count for k, (total, count) in sums.items() if count}
+
+
+def _skew(diagnosis: Diagnosis, key, label) -> str:
+    """'tokens on rank 0 weigh 9.0x tokens on rank 1' from the recovered weights."""
+    means = _mean_weight_by(diagnosis, key)
+    positive = {k: v for k, v in means.items() if v > 0}
+    if len(positive) < 2:
+        return "the recovered weights give no second group to compare with"
+    heavy = max(positive, key=positive.get)
+    light = min(positive, key=positive.get)
+    ratio = positive[heavy] / positive[light]
+    digits = 1 if ratio >= 1.1 else 6
+    return f"tokens on {label(heavy)} weigh {ratio:.{digits}f}x tokens on {label(light)}"
+
+
+def _ratio_text(value: float) -> str:
+    return f"{value:.4g}" if value != float("inf") else "unbounded (some weight is 0 or negative)"
+
+
+def _capitalized(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def _precision_text(d: Diagnosis) -> str:
+    return (
+        f"at {LEVEL_NAMES[d.precision]} (relative error {d.intended_error:.1e} against "
+        f"{d.intended}, group-fit residual {d.residual:.1e}, tolerance {d.tolerance:.0e})"
+    )
+
+
+def _sensitivity_text(d: Diagnosis) -> str:
+    if d.detectable_skew is None:
+        return ""
+    per, minus_one = d.detectable_skew
+    return (
+        f" Given this step's noise, scaling one {per}'s weights by 1 + {minus_one:.1e} or more "
+        "would have been flagged."
+    )
+
+
+def _ambiguity_hint(d: Diagnosis) -> str:
+    names = set(d.matches)
+    if {"missing-world-size", "double-reduce-count"} <= names:
+        return (
+            " The logged denominator tells them apart (D for the first, R D for the other): "
+            "call crosscheck.log_denominator(D) in the step."
+        )
+    reweighting = [n for n in names if kind_of(n, d.intended) == "pattern"]
+    reweighting = [n for n in reweighting if signature_of(n, d.intended) != "scale"]
+    if "scale" in names and reweighting:
+        return (
+            f" Here {' and '.join(reweighting)} weighs every token alike (a plain scale of "
+            f"{d.scale:.6g}): a fixture or layout whose ranks and microbatches hold different "
+            "token counts tells them apart."
+        )
+    layout_factors = {
+        "missing-world-size",
+        "double-reduce-count",
+        "double-world-size",
+        "double-accum-scale",
+        "double-accum-divide",
+    }
+    if names <= layout_factors:
+        return " A layout where they differ tells them apart (R != M, both above 1)."
+    return " Another fixture or layout, where they predict different weights, tells them apart."
+
+
+def explain(diagnosis: Diagnosis) -> tuple[str, str]:
+    """The explanation paragraph of a finished diagnosis, and the fix ("" when correct)."""
+    d = diagnosis
+    best = d.best_match
+    fix = ""
+    if d.unusable:
+        huge = "NaN or inf" not in d.unusable
+        return (
+            f"The gradient holds {d.unusable}: verification fails and no weighting can match it.",
+            "find where the step first produces a "
+            + ("huge" if huge else "non-finite")
+            + " loss or gradient (a division by 0 or by a tiny count, on a rank or microbatch "
+            "without valid tokens, is the usual cause)",
+        )
+    if not math.isfinite(d.residual):
+        return (
+            "The gradient holds NaN or inf: verification fails and no weighting can match it.",
+            "find where the step first produces a non-finite loss or gradient (a 0/0 on a "
+            "rank or microbatch without valid tokens is the usual cause)",
+        )
+    if d.beyond_precision:
+        text = (
+            f"The gradient is not a per-document reweighting of {d.intended}'s weights at "
+            f"{LEVEL_NAMES[d.precision]} or finer: the group fit leaves a residual of "
+            f"{d.residual:.1e}, beyond the {d.tolerance:.0e} that {d.precision} rounding "
+            "explains."
+        )
+        # A coarser level is suggested only where the step's params allow it: a float64 step
+        # 1e-3 off is not bf16 noise, and calling it that would wave a real bug through.
+        coarser = level_of(d.residual, auto_levels(d.dtype))
+        if coarser is not None and PRECISIONS.index(coarser) > PRECISIONS.index(d.precision):
+            text += (
+                f" A residual that size is {LEVEL_NAMES[coarser]} rounding, which the step's "
+                f"{d.dtype} params allow: judged at precision {coarser} (the automatic "
+                "choice), its weighting can be checked."
+            )
+            return text, f"judge the step at precision {coarser} (drop --strict / --precision)"
+        soft = (
+            " (soft weights ignored or changed, for weighted_mean)"
+            if d.intended == "weighted_mean"
+            else ""
+        )
+        text += (
+            " The loss, the model or the params differ from the ones given, or the weights "
+            f"vary inside a document{soft}."
+        )
+        fix = (
+            "check that the step's loss is the cross-entropy of the given targets with the "
+            f"given model and params, weighted as {d.intended} weighs tokens (no label "
+            "smoothing, extra loss terms or parameter changes)"
+        )
+        return text, fix
+    if best == d.intended:
+        text = (
+            f"The gradient is {d.scheme.spec}'s {_precision_text(d)}: every valid token weighs "
+            f"what the scheme says (weight ratio {_ratio_text(d.weight_ratio)} against it, "
+            f"scale {d.scale:.12g})."
+        )
+        return text + _sensitivity_text(d) + _identifiability_text(d), ""
+    if best == "rank-mean":
+        skew = _skew(d, lambda g: g.rank, lambda r: f"rank {r}")
+        text = (
+            f"{_capitalized(skew)}: each rank averaged its own tokens and the ranks were "
+            f"averaged (rank-mean; {PATTERNS['rank-mean'].upstream})."
+        )
+        fix = PATTERNS[best].fix
+    elif best == "microbatch-mean":
+        skew = _skew(
+            d,
+            lambda g: (g.rank, g.microbatch),
+            lambda k: f"rank {k[0]} microbatch {k[1]}",
+        )
+        text = (
+            f"{_capitalized(skew)}: each accumulation microbatch took its own token mean and "
+            f"the microbatches were averaged (microbatch-mean; "
+            f"{PATTERNS['microbatch-mean'].upstream})."
+        )
+        fix = PATTERNS[best].fix
+    elif best in PATTERNS:
+        pattern = PATTERNS[best]
+        text = (
+            f"Matches {best} ({pattern.upstream}): {pattern.step}. The gradient is "
+            f"{d.scale:.9g}x the intended {d.intended} one, with weight ratio "
+            f"{_ratio_text(d.weight_ratio)} against it."
+        )
+        if d.notes.get(best):
+            text += f" ({d.notes[best]}.)"
+        fix = pattern.fix
+    elif best == "scale":
+        text = (
+            f"Every valid token is weighted as {d.intended} says, but the gradient is "
+            f"{d.scale:.9g}x the intended one: a scale that no catalogued pattern predicts at "
+            "this layout."
+        )
+        fix = FAMILY_FIXES[best]
+    elif best == "rank-skew":
+        skew = _skew(d, lambda g: g.rank, lambda r: f"rank {r}")
+        text = (
+            f"{_capitalized(skew)}: one factor per rank ({d.notes.get(best, '')}), which no "
+            "catalogued pattern predicts."
+        )
+        fix = FAMILY_FIXES[best]
+    elif best == "microbatch-skew":
+        skew = _skew(
+            d, lambda g: (g.rank, g.microbatch), lambda k: f"rank {k[0]} microbatch {k[1]}"
+        )
+        text = (
+            f"{_capitalized(skew)}: one factor per microbatch ({d.notes.get(best, '')}), which "
+            "no catalogued pattern predicts."
+        )
+        fix = FAMILY_FIXES[best]
+    elif best == UNKNOWN:
+        closest = min(d.candidate_errors, key=d.candidate_errors.get)
+        text = (
+            f"No known scheme, pattern or reweighting family fits {_precision_text(d)}: the "
+            f"closest is {closest} at relative error {d.candidate_errors[closest]:.2e}. The "
+            f"recovered weights have ratio {_ratio_text(d.weight_ratio)} and scale "
+            f"{d.scale:.6g} against {d.intended}, worst at {d.worst_unit}"
+        )
+        text += f", and explain the gradient up to a residual of {d.residual:.1e}."
+        fix = (
+            "compare the recovered per-group weights (diagnosis.groups) with the intended "
+            "ones to find which rows or documents are weighted wrongly"
+        )
+    elif best == AMBIGUOUS:
+        text = (
+            f"The gradient fits {' and '.join(d.matches)} alike at "
+            f"{LEVEL_NAMES[d.precision]}: they predict the same gradient at this layout, so "
+            "no name is given." + _ambiguity_hint(d)
+        )
+        fix = "; or ".join(
+            PATTERNS[n].fix if n in PATTERNS else FAMILY_FIXES.get(n, f"compute {n}")
+            for n in d.matches
+        )
+    else:
+        text = (
+            f"The gradient is {best}'s, not {d.intended}'s (weight ratio "
+            f"{_ratio_text(d.weight_ratio)} against {d.intended}, scale {d.scale:.6g})."
+        )
+        fix = f"the step computes {best}: weight and count tokens as {d.intended} does"
+    return text + _identifiability_text(d), f"{fix} ({GUIDE})"
+
+
+def _identifiability_text(d: Diagnosis) -> str:
+    if d.well_posed:
+        return ""
+    return (
+        f" The group weights are not identifiable on this fixture (condition number "
+        f"{d.condition_number:.2g}): the weight ratio is unreliable."
+    )

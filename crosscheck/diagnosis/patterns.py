@@ -1,0 +1,277 @@
+"""The known bug patterns of docs/bugs.md: what each buggy step computes, and where it runs.
+
+This module is the contract between the buggy training steps of the two frameworks
+(``torch_impl.harness.bugs``, ``jax_impl.harness.bugs``) and the diagnosis
+(``crosscheck.diagnosis.diagnose``): it says in words what every pattern does to the normalization,
+and which fixtures and layouts the catalogue runs it on. It holds no math: the diagnosis predicts
+each pattern's gradient from the oracle in numpy, and each framework writes its buggy loop in its
+own idiom, so a mistake in one does not hide in the other.
+
+Every buggy step runs **two accumulation windows** (optimizer updates) on the same global batch
+with the same params and no optimizer step in between, and reports the second window's
+synchronized gradient, as the optimizer would receive it, plus the denominator the step would
+log for that window. Only ``stale-count`` makes the two windows differ.
+
+Notation (one window): R ranks, M microbatches per rank, D the intended global denominator,
+``n_r`` / ``n_rm`` the valid targets of a rank / microbatch, N rows of T slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Threshold of the clip-per-microbatch runs: on both catalogue runs one accumulation step's
+#: token-mean gradient exceeds it (step norms 0.179 and 0.225 on packed at (2, 2), 0.173 and
+#: 0.108 on ragged at (1, 2)), so the clipping bites; the JAX catalogue test asserts it does.
+CLIP_PER_MICROBATCH_NORM = 0.15
+
+#: Windows each buggy step runs; the second one is diagnosed (stale-count needs two).
+NUM_WINDOWS = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BugPattern:
+    """One row of docs/bugs.md."""
+
+    id: str
+    #: The scheme the user meant; the diagnosis measures the step against it.
+    intended: str
+    #: Upstream references, for docstrings and reports.
+    upstream: str
+    #: What the buggy step computes, precisely enough to implement it independently.
+    step: str
+    #: What the step logs as its denominator for the diagnosed (second) window.
+    logged_denominator: str
+    #: The fix, in the user's terms: what to count, where to reduce it, what to divide by.
+    fix: str
+    #: The shape of the error against the intended weights: "scale" (every token weighted
+    #: alike, the gradient scaled), "rank" (a factor per rank), "microbatch" (a factor per
+    #: rank and microbatch) or "other". A reweighting pattern is only named where a plain
+    #: scale does not explain the gradient as well (see `crosscheck.diagnosis.naming`).
+    signature: str = "scale"
+    #: Frameworks where the pattern exists.
+    frameworks: tuple[str, ...] = ("torch", "jax")
+    #: (fixture, world_size, accum_steps) the catalogue runs it on: layouts where no other
+    #: pattern predicts the same gradient and log.
+    runs: tuple[tuple[str, int, int], ...] = field(default_factory=tuple)
+
+
+PATTERNS: dict[str, BugPattern] = {
+    p.id: p
+    for p in (
+        BugPattern(
+            id="rank-mean",
+            intended="token_mean",
+            upstream="seed example; torchtune#2980; prime-rl#2358",
+            step="each rank divides the sum of its valid-token losses over all its microbatches "
+            "by its own valid count n_r; the gradient all-reduce averages the R ranks",
+            logged_denominator="n_r of the rank (rank 0's is reported)",
+            fix="count the valid tokens of the whole update on every rank first (one all-reduce"
+            " of the local count, before any backward), divide each rank's summed loss by "
+            "that global count and multiply by R for DDP's averaging (or reduce gradients "
+            "with a sum)",
+            signature="rank",
+            runs=(("seed", 2, 1), ("ragged", 4, 1)),
+        ),
+        BugPattern(
+            id="microbatch-mean",
+            intended="token_mean",
+            upstream="transformers#34191; nanoGPT; T5X microbatches; Levanter MEAN; "
+            "optax.MultiSteps with a mean loss",
+            step="each microbatch takes its own token mean (sum / n_rm), divided by M for "
+            "accumulation; the all-reduce averages the R ranks",
+            logged_denominator="n_rm of rank 0's last microbatch",
+            fix="do not average per-microbatch means: sum each microbatch's token losses "
+            '(reduction="sum") and divide by the valid tokens of the whole accumulation window '
+            "on all ranks, counted before the first backward (times R under DDP's averaging)",
+            signature="microbatch",
+            runs=(("packed", 2, 2), ("ragged", 2, 2)),
+        ),
+        BugPattern(
+            id="missing-world-size",
+            intended="token_mean",
+            upstream="transformers#37474",
+            step="every microbatch loss is sum / D with the correct global D, but the gradient "
+            "all-reduce averages (divides by R) and nobody multiplied by R",
+            logged_denominator="D",
+            fix="DDP and pmean average the gradient over the R ranks: multiply the loss by R "
+            "after dividing by the global count, or reduce the gradient with a sum",
+            runs=(("packed", 2, 1), ("ragged", 4, 1)),
+        ),
+        BugPattern(
+            id="double-world-size",
+            intended="token_mean",
+            upstream="liquid-finetune#38; transformers#48690",
+            step="sum / D, multiplied by R by the user and by R again by a wrapper, under an "
+            "averaging all-reduce: the gradient is R times the intended one",
+            logged_denominator="D",
+            fix="multiply by R exactly once: either your loss does it or the wrapper does (look"
+            " for a trainer setting that rescales the loss by the world size)",
+            runs=(("packed", 2, 1), ("ragged", 4, 2)),
+        ),
+        BugPattern(
+            id="double-accum-scale",
+            intended="token_mean",
+            upstream="transformers#35438",
+            step="sum / D under a correct reduction, but every microbatch loss is multiplied by "
+            "M (the accumulation count) once too often: the gradient is M times too big",
+            logged_denominator="D",
+            fix="the global count already covers all M microbatches: do not multiply the loss "
+            "by the accumulation steps as well",
+            runs=(("packed", 1, 2), ("ragged", 2, 4)),
+        ),
+        BugPattern(
+            id="double-accum-divide",
+            intended="token_mean",
+            upstream="ms-swift#10117",
+            step="sum / D under a correct reduction, but every microbatch loss is divided by M "
+            "(the accumulation count) once more, as if D were a per-microbatch count: the "
+            "gradient is 1/M of the intended one",
+            logged_denominator="D",
+            fix="the global count already covers all M microbatches: do not divide the loss by "
+            "the accumulation steps as well (a trainer dividing by "
+            "gradient_accumulation_steps on top of a num_items_in_batch normalization)",
+            # M = 4 with R != M: at R = M its 1/M is missing-world-size's 1/R, and at M = 2
+            # its 1/2 is stale-count's (which logs 2 D).
+            runs=(("packed", 1, 4), ("ragged", 2, 4)),
+        ),
+        BugPattern(
+            id="unshifted-count",
+            intended="token_mean",
+            upstream="transformers#46204",
+            step="the denominator counts labels before the causal shift: D + (number of rows "
+            "with at least one valid target), one extra label per row; the loss sums are right",
+            logged_denominator="D + rows with a valid target",
+            fix="count the labels after the causal shift (the targets that get a loss, "
+            "labels[..., 1:] != -100), not before it",
+            runs=(("packed", 2, 2), ("ragged", 2, 1)),
+        ),
+        BugPattern(
+            id="attention-mask-count",
+            intended="token_mean",
+            upstream="unsloth-zoo#1217; multimodal trainers",
+            step="the denominator counts attended positions (segment_ids > 0: prompt, image "
+            "placeholders and document ends included) instead of valid targets",
+            logged_denominator="attended positions of the global batch",
+            fix="count the tokens with a loss (targets != -100), not attended positions "
+            "(attention_mask): prompts, image placeholders and document ends attend but "
+            "carry no loss",
+            runs=(("multimodal", 2, 1), ("packed", 2, 2)),
+        ),
+        BugPattern(
+            id="clip-per-microbatch",
+            intended="token_mean",
+            upstream="transformers#986; gpt-jax#2 (optax.apply_every)",
+            step="correct sum / D losses, but each accumulation step's synchronized gradient "
+            f"(all ranks' microbatch m) is clipped to global norm {CLIP_PER_MICROBATCH_NORM} "
+            "before it is added to the accumulator",
+            logged_denominator="D",
+            fix="clip once per update, after the last microbatch's backward and the gradient "
+            "all-reduce (clip_grad_norm_ after accumulation; in optax, clip inside the "
+            "inner optimizer of MultiSteps)",
+            signature="microbatch",
+            runs=(("packed", 2, 2), ("ragged", 1, 2)),
+        ),
+        BugPattern(
+            id="stale-count",
+            intended="token_mean",
+            upstream="torchtune#1917 (review)",
+            step="the global valid-token counter is not reset between windows: the second "
+            "window divides by D + D",
+            logged_denominator="2 D",
+            fix="reset the token counter at the start of every optimizer update",
+            runs=(("packed", 1, 2), ("ragged", 4, 1)),
+        ),
+        BugPattern(
+            id="double-reduce-count",
+            intended="token_mean",
+            upstream="Megatron-LM#7481",
+            step="the local count is all-reduced in place into a buffer that is all-reduced "
+            "again: the count is R D, the gradient R times too small",
+            logged_denominator="R D",
+            fix="all-reduce the local count exactly once, into a fresh tensor, not in place on "
+            "a buffer that is reduced again",
+            # R = 4: at R = 2 its 1/2 and its log 2 D are stale-count's too.
+            runs=(("packed", 4, 2), ("ragged", 4, 1)),
+        ),
+        BugPattern(
+            id="packed-as-one",
+            intended="sequence_mean",
+            upstream="packing collators; functionary#265",
+            step="the per-sequence mean is taken per packed row: every segment of a row shares "
+            "the row's valid count, and D counts rows with a valid target",
+            logged_denominator="rows with a valid target",
+            fix="take the per-sequence mean per document: group tokens by (row, segment id), "
+            "not by row, and count documents, not rows",
+            signature="other",
+            runs=(("packed", 2, 1), ("packed-wide", 2, 2)),
+        ),
+        BugPattern(
+            id="padding-as-tokens",
+            intended="token_mean",
+            upstream="T5X NUM_TOTAL_TARGET_TOKENS vs NUM_REAL_TARGET_TOKENS",
+            step="the denominator counts every target slot, padding and ignored ones included: N T",
+            logged_denominator="N T",
+            fix="divide by the tokens that carry a loss (NUM_REAL_TARGET_TOKENS), not by every "
+            "target slot; or verify against constant if a fixed normalizer is what you mean",
+            runs=(("packed", 2, 1), ("ragged", 2, 2)),
+        ),
+        BugPattern(
+            id="float32-count",
+            intended="weighted_mean",
+            upstream="large-batch pretraining",
+            step="the weighted-mean denominator (integer token multiplicities summing past "
+            "2^24) is accumulated and all-reduced in float32; losses stay float64",
+            logged_denominator="the float32 denominator",
+            fix="accumulate and all-reduce the denominator as an int64 count or in float64 (or "
+            "carry it exactly, torch_impl.exact_carry), never in float32 past 2^24",
+            runs=(("dedup-seed", 2, 1), ("dedup-packed", 2, 2)),
+        ),
+    )
+}
+
+#: A step that is correct except that rank 0's loss is multiplied by `skew`: it measures the
+#: smallest distortion verification flags (not a pattern of docs/bugs.md).
+RANK_SKEW = "rank-skew"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class BugRun:
+    """One buggy step of one framework on one fixture and layout."""
+
+    pattern: str  # a PATTERNS id, or RANK_SKEW
+    framework: str  # "torch" or "jax"
+    fixture: str
+    world_size: int
+    accum_steps: int
+    dtype: str = "float64"
+    skew: float = 1.0  # rank-skew only
+
+    def describe(self) -> str:
+        skew = f" skew={self.skew}" if self.pattern == RANK_SKEW else ""
+        return (
+            f"{self.pattern} ({self.framework}) {self.fixture} "
+            f"R={self.world_size} M={self.accum_steps} {self.dtype}{skew}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class BugOutput:
+    """What a buggy step produced for its second window."""
+
+    #: The synchronized gradient as the optimizer receives it, float64 numpy, checked equal
+    #: on every rank.
+    grads: dict
+    #: The denominator the step logs (see BugPattern.logged_denominator); None if it has none.
+    logged_denominator: float | None
+
+
+def catalogue_runs(frameworks: tuple[str, ...] = ("torch", "jax")) -> list[BugRun]:
+    """Every (pattern, framework, fixture, layout) of the catalogue, float64."""
+    return [
+        BugRun(pattern=p.id, framework=fw, fixture=fixture, world_size=R, accum_steps=M)
+        for p in PATTERNS.values()
+        for fw in frameworks
+        if fw in p.frameworks
+        for fixture, R, M in p.runs
+    ]

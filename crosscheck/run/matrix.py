@@ -1,0 +1,246 @@
+"""The main job: build the case matrix, run every implementation on it, and check the results.
+
+Each framework's runner turns its cases into jobs that reuse processes: one torch process
+group per world size, one JAX worker per in-process front-end and world size, one multi-process
+JAX launch per world size, one resume round trip per framework. `crosscheck.launch.schedule` runs
+the jobs side by side on the machine's cores. The rows that come back are compared with the oracle
+as they arrive; rows across cases (implementations against each other, world-size change)
+follow.
+
+Nothing is dropped silently. `Plan.build` lists every combination of the plan's product that
+does not run, with the reason (a layout that does not divide the fixture, a strategy an
+implementation has no way to run), and refuses a plan that would run nothing at all, or in
+which a value the user named explicitly (`Plan.explicit`) runs in no case. After the run,
+every planned case, resume case and oracle row that never came back becomes a failing row.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from crosscheck.contract.cases import (
+    Case,
+    CaseOutput,
+    CaseResult,
+    RankMetrics,
+    ResumeCase,
+    SkippedCase,
+    TrainSettings,
+)
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.judge.clipping import clip_placement
+from crosscheck.judge.invariance import layout_invariance
+from crosscheck.launch.schedule import Job, JobTiming, run_jobs
+from crosscheck.run.implementations import framework_of, runner_for
+from crosscheck.run.plan import WORLD_SIZE_CHANGE_FAMILY, Plan
+from crosscheck.run.resume import resume_jobs, resume_row
+from crosscheck.run.rows import (
+    compare_with_oracle,
+    cross_implementation,
+    failed_case,
+    world_size_change,
+)
+
+#: Clip-placement rows use the token mean with a threshold that some microbatches exceed on
+#: every fixture (their norms run 0.04 to 0.35) and one above every update norm (<= 0.44),
+#: where both placements must agree.
+CLIP_THRESHOLDS: tuple[float, ...] = (0.15, 1.0)
+
+#: The detail of a failing row for work that was planned and never came back.
+NEVER_REPORTED = "planned but never reported: no output and no error came back for it"
+
+
+@dataclass
+class MatrixRun:
+    rows: list[CaseResult]
+    outputs: dict[Case, CaseOutput]
+    timings: list[JobTiming] = field(default_factory=list)
+    #: What the plan's product names but does not run, and why.
+    skipped: list[SkippedCase] = field(default_factory=list)
+
+    def metrics(self) -> list[tuple[Case, RankMetrics]]:
+        return [(case, m) for case, out in sorted(self.outputs.items()) for m in out.metrics]
+
+
+def run_matrix(
+    plan: Plan, on_progress: Callable[[int, int, Case | None], None] | None = None
+) -> MatrixRun:
+    """Run the plan; `on_progress(done, total, case)` is called as cases finish.
+
+    Raises PlanError (before any process starts) when the plan would run nothing or a value
+    it names explicitly runs in no case. Every planned case, resume case and oracle row that
+    does not come back, or comes back twice, becomes a failing row.
+    """
+    build = plan.build()
+    cases = build.cases
+    planned = set(cases)
+    rows: list[CaseResult] = []
+    outputs: dict[Case, CaseOutput] = {}
+    reported: Counter[Case] = Counter()
+    lock = threading.Lock()
+    done = 0
+
+    def on_done(case: Case, result: CaseOutput | BaseException) -> None:
+        nonlocal done
+        row = _judge(case, result, plan.settings.for_dtype(case.dtype))
+        with lock:
+            reported[case] += 1
+            if case not in planned:
+                row = failed_case(case, "reported by its runner but never planned", False)
+            elif reported[case] > 1:
+                row = failed_case(case, f"reported {reported[case]} times by its runner", False)
+            else:
+                done += 1
+                if not isinstance(result, BaseException):
+                    outputs[case] = result
+            rows.append(row)
+            if on_progress is not None:
+                on_progress(done, len(cases), case)
+
+    resume_rows: list[CaseResult] = []
+
+    def on_resume_row(row: CaseResult) -> None:
+        with lock:
+            resume_rows.append(row)
+
+    # One group per framework and dtype: each dtype trains with its own settings
+    # (TrainSettings.for_dtype: bf16 with SGD).
+    by_framework: dict[tuple[str, str], list[Case]] = {}
+    for case in cases:
+        by_framework.setdefault((framework_of(case.impl), case.dtype), []).append(case)
+    jobs = [
+        job
+        for (framework, dtype), group in sorted(by_framework.items())
+        for job in runner_for(framework).jobs(group, plan.settings.for_dtype(dtype), on_done)
+    ]
+    jobs += resume_jobs(build.resume_cases, plan.settings, on_resume_row)
+    oracle_rows: list[CaseResult] = []
+    oracle_errors: list[BaseException] = []
+    if build.oracle_layouts:
+
+        def oracle_job() -> None:
+            try:
+                oracle_rows.extend(_oracle_rows(plan, build.oracle_layouts))
+            except Exception as error:  # its rows fail below, by name, with this error
+                oracle_errors.append(error)
+
+        # The oracle's own rows (float64 numpy, under a second) in this process, while the
+        # jobs' work happens in their child processes.
+        jobs.append(Job("oracle rows", 1, 1.0, oracle_job))
+    if on_progress is not None:
+        on_progress(0, len(cases), None)
+    timings = run_jobs(jobs)
+    # Bookkeeping: whatever was planned and did not come back fails by name.
+    rows.extend(failed_case(case, NEVER_REPORTED) for case in cases if not reported[case])
+    oracle_detail = (
+        f"{NEVER_REPORTED} ({type(oracle_errors[0]).__name__}: {oracle_errors[0]})"
+        if oracle_errors
+        else NEVER_REPORTED
+    )
+    oracle_rows += _missing_oracle_rows(plan, build.oracle_layouts, oracle_rows, oracle_detail)
+    resume_rows += _missing_resume_rows(build.resume_cases, resume_rows)
+    rows[:0] = oracle_rows
+    rows.extend(resume_rows)
+    rows.extend(cross_implementation(outputs))
+    if plan.world_size_change:
+        rows.extend(world_size_change(outputs, [WORLD_SIZE_CHANGE_FAMILY]))
+    return MatrixRun(rows=rows, outputs=outputs, timings=timings, skipped=build.skipped)
+
+
+def _judge(case: Case, result: CaseOutput | BaseException, settings: TrainSettings) -> CaseResult:
+    """The case's row; an output that cannot even be compared (wrong keys or shapes) fails."""
+    if isinstance(result, BaseException):
+        return failed_case(case, result)
+    try:
+        return compare_with_oracle(case, result, settings)
+    except Exception as error:
+        return failed_case(case, f"its output could not be compared with the oracle: {error}")
+
+
+def _oracle_rows(plan: Plan, layouts: dict[str, list[tuple[int, int]]]) -> list[CaseResult]:
+    """Layout invariance of every scheme and clip placement, from the oracle alone."""
+    rows: list[CaseResult] = []
+    for fixture, fixture_layouts in layouts.items():
+        for scheme in plan.schemes:
+            rows.extend(layout_invariance(builtin_fixture(fixture), scheme, fixture_layouts))
+        for max_norm in CLIP_THRESHOLDS:
+            rows.extend(
+                clip_placement(builtin_fixture(fixture), "token_mean", R, M, max_norm)
+                for R, M in fixture_layouts
+                if R * M > 1
+            )
+    return rows
+
+
+def _oracle_key(check: str, fixture: str, scheme: str, R: int, M: int) -> tuple:
+    return (check, fixture, scheme, R, M)
+
+
+def _missing_oracle_rows(
+    plan: Plan,
+    layouts: dict[str, list[tuple[int, int]]],
+    rows: list[CaseResult],
+    detail: str,
+) -> list[CaseResult]:
+    """A failing row for each oracle row that `_oracle_rows` should have produced and did not.
+
+    Counted by (check, fixture, scheme, R, M): a clipping row per threshold at every layout
+    of more than one microbatch, a layout-invariance row per scheme at every layout."""
+    expected: Counter[tuple] = Counter()
+    for fixture, fixture_layouts in layouts.items():
+        for R, M in fixture_layouts:
+            for scheme in plan.schemes:
+                expected[_oracle_key("layout-invariance", fixture, scheme, R, M)] += 1
+            if R * M > 1:
+                expected[_oracle_key("clipping", fixture, "token_mean", R, M)] += len(
+                    CLIP_THRESHOLDS
+                )
+    got = Counter(
+        _oracle_key(r.check, r.fixture, r.scheme, r.world_size, r.accum_steps) for r in rows
+    )
+    missing = []
+    for (check, fixture, scheme, R, M), count in sorted((expected - got).items()):
+        missing += [
+            CaseResult(
+                check=check,
+                fixture=fixture,
+                scheme=scheme,
+                impl="oracle",
+                strategy="closed-form" if check == "layout-invariance" else "per-microbatch",
+                world_size=R,
+                accum_steps=M,
+                dtype="float64",
+                max_rel_err=float("inf"),
+                ok=False,
+                reference="oracle",
+                detail=detail,
+                not_run=True,
+            )
+        ] * count
+    return missing
+
+
+ROW_KEY = ("check", "impl", "fixture", "scheme", "strategy", "world_size", "accum_steps", "dtype")
+
+
+def _row_key(row: CaseResult) -> tuple:
+    return tuple(getattr(row, name) for name in ROW_KEY)
+
+
+def _missing_resume_rows(cases: list[ResumeCase], rows: list[CaseResult]) -> list[CaseResult]:
+    """A failing row for each resume case that no row came back for."""
+    got = Counter(_row_key(row) for row in rows)
+    missing = []
+    for case in cases:
+        # The row the case would have had, failing: its key identifies the case.
+        row = resume_row(
+            case, max_rel_err=float("inf"), ok=False, detail=NEVER_REPORTED, not_run=True
+        )
+        if got[_row_key(row)]:
+            got[_row_key(row)] -= 1
+        else:
+            missing.append(row)
+    return missing

@@ -1,0 +1,113 @@
+"""The step protocol: how `crosscheck verify` calls a user's training step, in each framework.
+
+A step is named ``MODULE:FUNCTION`` (importable from the current directory); it computes the
+gradient of one optimizer update the way the user's own code does, and the harness compares
+that gradient with the oracle's for the scheme the user intends, on several fixtures and
+layouts, and diagnoses it.
+
+**torch.** ``step(model, microbatches)`` is called on every rank of a real gloo process group
+(``torch.distributed`` is initialized; ``dist.get_rank()`` and ``dist.get_world_size()`` tell
+where it is). ``model`` is the analytic model (``torch_impl.model.BilinearLM``: ``logits =
+embed[inputs] @ unembed``, float64) wrapped in ``DistributedDataParallel``; ``microbatches`` is
+this rank's list of M dicts of [B, T] tensors: ``inputs`` and ``targets`` (int64, ignored
+targets are -100), ``segment_ids`` (int64, 0 is padding) and ``weights`` (float64). The step
+runs forward and backward over all M microbatches (``no_sync`` or not, as the user's loop
+does); the harness then reads the gradient from the parameters' ``.grad``. Variants, chosen by
+the function's signature:
+
+* a step whose first parameter is named ``model_factory`` gets a zero-argument callable that
+  returns a fresh *unwrapped* model, wraps it itself (DDP, FSDP2, anything) and returns the
+  wrapped model; the harness reads that model's gradients (DTensors gathered in full);
+* a step that accepts an ``optimizer`` argument is given ``torch.optim.SGD(params, lr=1.0)``
+  and may call ``optimizer.step()``: the harness then reads params before minus params after,
+  which for SGD with learning rate 1 is the gradient the optimizer applied.
+
+**JAX.** ``step(params, apply_fn, batch, mesh)`` runs in a worker process with 8 CPU devices
+and ``jax_enable_x64``. ``params`` is ``{"embed": [V, H], "unembed": [H, V]}`` (float64
+``jax.Array``); ``apply_fn(params, inputs)`` returns logits [..., V] (the Flax model's
+``apply``, parameters passed as the plain dict above); ``batch`` holds the laid-out global
+batch as numpy arrays of shape [R, M, B, T] (rank r's microbatch m is ``[r, m]``: ``inputs``,
+``targets``, ``segment_ids``, ``weights``); ``mesh`` is a 1-D ``jax.sharding.Mesh`` over R
+devices with axis name ``"data"``. The step may use pmap, shard_map or jit inside and returns
+the gradient as a dict with the params' keys and shapes (a leading device axis of size R, as
+pmap returns, is accepted when every replica is identical). A step that accepts an
+``optimizer`` argument is given ``optax.sgd(1.0)`` and returns the optax *updates* (minus the
+gradient).
+
+Either way, a step that raises, returns the wrong keys or shapes, or does not finish within
+the time limit gets a `StepError` naming the fixture, layout and (for torch) rank.
+
+**Params dtype.** ``verify --dtype bfloat16`` (or float32) hands the step the model (torch)
+or params (JAX) in that dtype instead of float64; the gradient is read back as float64 and
+judged at the precision its own noise shows (``crosscheck.diagnosis.verdict``).
+
+**The logged denominator.** Two bugs can give the same gradient and differ only in what the
+step believes D is (missing-world-size divides by D under an averaging reduction;
+double-reduce-count divides by R D). A step can say what it divided by, where a training
+loop would log it::
+
+    from crosscheck import log_denominator
+    ...
+    log_denominator(global_valid_tokens)   # a number, or a 0-d tensor / concrete jax.Array
+
+Call it once per update, outside any jit, on any rank; rank 0's last value of the call is
+used (a torch step's ranks each call it with their own value, as a loop logs per rank). The
+diagnosis then rules out the patterns that would have logged something else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: What the step in this process logged since the harness last asked (see the docstring).
+_logged_denominators: list[float] = []
+
+
+def log_denominator(value: Any) -> None:
+    """Record the denominator D the step divided this update's loss by (see the docstring)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"log_denominator takes a number or a scalar tensor, got {type(value).__name__}: "
+            f"{error} (inside jax.jit, return D and log it outside)"
+        ) from None
+    _logged_denominators.append(number)
+
+
+def take_logged_denominator() -> float | None:
+    """The last denominator logged since the previous call, or None; forgets them all."""
+    value = _logged_denominators[-1] if _logged_denominators else None
+    _logged_denominators.clear()
+    return value
+
+
+class StepError(RuntimeError):
+    """The user's step could not be verified: it raised, returned the wrong thing, or hung."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class VerifyJob:
+    """One call of the user's step: a fixture laid out as (world_size, accum_steps)."""
+
+    fixture: str
+    world_size: int
+    accum_steps: int
+    #: The dtype of the model / params handed to the step.
+    dtype: str = "float64"
+
+    def describe(self) -> str:
+        dtype = "" if self.dtype == "float64" else f" {self.dtype}"
+        return f"{self.fixture} R={self.world_size} M={self.accum_steps}{dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOutput:
+    """What the harness read from the step: the synchronized gradient, float64 numpy, and
+    the denominator the step logged (rank 0's), if it did."""
+
+    grads: dict[str, np.ndarray]
+    logged_denominator: float | None = None

@@ -1,0 +1,405 @@
+"""A zygote: one process imports JAX once, then forks a worker for every ``python -m`` command.
+
+Importing jax, optax and orbax costs a worker process about 1.3 s of CPU before it does
+anything; a harness run starts a dozen workers. The zygote (``python -m jax_impl.harness.zygote
+MODULE...``) imports the given modules once and stays single-threaded; for each request it
+forks a child that takes the request's environment, working directory and output files and
+runs the module as ``__main__`` with the request's arguments. Differences from a fresh
+``python -m MODULE``: the modules the zygote imported are already imported; ``sys.argv[0]``
+is the module's name; ``sys.path`` and whatever a module reads from the environment at
+import time come from the zygote's environment (so it is started with the workers'); and the
+child ends with ``os._exit`` after flushing its output, so atexit handlers do not run (the
+workers shut down what they start themselves).
+
+That is sound for JAX because importing jax creates no backend: XLA_FLAGS (the fake device
+count, compile flags) and ``jax.config`` updates made by the worker take effect in the child.
+Forking is unsafe in a process that runs threads, so the zygote refuses to serve if an import
+started one (OpenBLAS does unless OPENBLAS_NUM_THREADS=1).
+
+Protocol: the client writes one JSON request per line to the zygote's stdin (an id, module,
+args, env, cwd, stdout, stderr and status paths); the zygote answers one JSON line with the
+same id and the child's pid, or an error. When a child exits, the zygote writes its exit code
+to the request's status file (atomically) before reaping it, so the pid cannot be reused
+while the client may still signal it. A closed stdin stops the zygote.
+
+Process groups: the zygote is started in a session of its own, and every child it forks leads
+a process group of its own (``setsid`` in the child, ``setpgid`` in the zygote too, so the group
+exists before the client learns the pid): `jax_impl.harness.launch` kills a worker's group, with
+whatever the worker started, and registers the zygote's so that
+`jax_impl.harness.launch.terminate_all` stops it too.
+
+Where it runs: only where the platform has what it uses (`unavailable` says why not): ``fork``,
+``os.waitid`` with ``P_ALL``, ``WNOHANG``, ``WEXITED`` and ``WNOWAIT`` (macOS has no
+``os.waitid``), ``setsid``, ``setpgid`` and ``killpg``; and not when the environment variable
+``GRADWEIGHT_NO_FORK_SERVERS`` is set to anything but "" or "0" (a switch meant for every fork
+server of the project). Where it does not run, the client refuses to start one (`ZygoteError`)
+and the harness starts plain processes instead: slower, not different.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from jax_impl.harness import launch
+
+#: Seconds the client waits for the zygote to answer a request (a fork takes milliseconds).
+REPLY_TIMEOUT_S = 30.0
+#: Set to anything but "" or "0", no fork server is used: plain processes instead.
+NO_FORK_SERVERS_ENV = "GRADWEIGHT_NO_FORK_SERVERS"
+#: What the zygote needs of `os`: fork, the non-reaping wait of `_reap`, and process groups.
+_REQUIRED_OS = (
+    "fork",
+    "waitid",
+    "P_ALL",
+    "WNOHANG",
+    "WEXITED",
+    "WNOWAIT",
+    "CLD_EXITED",
+    "setsid",
+    "setpgid",
+    "killpg",
+)
+#: How often the zygote looks for exited children while it waits for requests.
+_REAP_INTERVAL_S = 0.02
+
+
+class ZygoteError(RuntimeError):
+    """The zygote could not start, refused to serve, or did not answer in time."""
+
+
+def platform_unsupported() -> str:
+    """Why this platform cannot run the zygote ('' when it can): the `os` names it lacks."""
+    missing = [name for name in _REQUIRED_OS if not hasattr(os, name)]
+    if missing:
+        return f"this platform lacks {', '.join('os.' + name for name in missing)}"
+    return ""
+
+
+def unavailable(env: Mapping[str, str] | None = None) -> str:
+    """Why no zygote may be used here ('' when one may): the switch, or the platform."""
+    switch = (os.environ if env is None else env).get(NO_FORK_SERVERS_ENV, "")
+    if switch not in ("", "0"):
+        return f"fork servers are turned off ({NO_FORK_SERVERS_ENV}={switch})"
+    return platform_unsupported()
+
+
+class ZygoteChild:
+    """A worker forked by the zygote, with the parts of ``subprocess.Popen`` a launcher uses.
+
+    It is the zygote's child, not ours: its exit code comes from the status file the zygote
+    writes when it reaps it.
+    """
+
+    def __init__(self, pid: int, status_path: Path, zygote: Zygote) -> None:
+        self.pid = pid
+        self._status_path = status_path
+        self._zygote = zygote
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._read_status()
+        if self.returncode is None and not self._zygote.alive:
+            # The zygote may have written the status just before it exited: read once more.
+            self.returncode = self._read_status()
+            if self.returncode is None and not _pid_alive(self.pid):
+                self.returncode = 255  # reaped by init after the zygote died: status unknown
+        return self.returncode
+
+    def _read_status(self) -> int | None:
+        try:
+            return int(self._status_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(_REAP_INTERVAL_S)
+        return self.returncode  # type: ignore[return-value]
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie does not (init may never reap an orphan of the zygote)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):  # no /proc (macOS), or it exited meanwhile
+        return True
+
+
+class Zygote:
+    """The client side: start the zygote, ask it for workers, stop it. Thread-safe."""
+
+    #: What `spawn` raises, reachable from an instance by code that must not import this
+    #: module (`jax_impl.harness.launch` loads without the jax_impl package, which imports JAX).
+    Error = ZygoteError
+
+    def __init__(
+        self, preload: Sequence[str], env: Mapping[str, str], log_path: str | Path
+    ) -> None:
+        why_not = unavailable()
+        if why_not:
+            raise ZygoteError(f"no zygote: {why_not}")
+        self._lock = threading.Lock()
+        self._log_path = Path(log_path)
+        with self._log_path.open("ab") as log:  # the child keeps its own copy of the fd
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "jax_impl.harness.zygote", *preload],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=dict(env),
+                start_new_session=True,  # a group of its own, like every worker
+            )
+        launch.register_group(self._process, server=True)
+        self._reply_buffer = b""
+        self._next_id = 0
+        try:
+            ready = self._read_reply()
+        except Exception as error:
+            self.close()
+            raise ZygoteError(f"the zygote did not start: {error}") from error
+        if ready.get("ready") is not True:
+            self.close()
+            raise ZygoteError(f"the zygote refused to serve: {ready.get('error', ready)}")
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        """The zygote's pid (also its process group's id)."""
+        return self._process.pid
+
+    def spawn(
+        self,
+        module: str,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | Path | None,
+        stdout: Path,
+        stderr: Path,
+    ) -> ZygoteChild:
+        """Fork a child running ``python -m module *args`` with this environment and output."""
+        status = stderr.with_name(stderr.name + ".exitcode")
+        status.unlink(missing_ok=True)
+        request = {
+            "id": None,
+            "module": module,
+            "args": list(args),
+            "env": dict(env),
+            "cwd": None if cwd is None else str(cwd),
+            "stdout": str(stdout),
+            "stderr": str(stderr),
+            "status": str(status),
+        }
+        with self._lock:
+            if not self.alive:
+                raise ZygoteError(f"the zygote exited with {self._process.returncode}")
+            self._next_id += 1
+            request["id"] = self._next_id
+            assert self._process.stdin is not None
+            try:
+                self._process.stdin.write(json.dumps(request).encode() + b"\n")
+                self._process.stdin.flush()
+                reply = self._read_reply()
+            except (OSError, ValueError, ZygoteError) as error:
+                # A reply that never came may still come later and be taken for the next
+                # request's: a zygote that lost step is stopped, not reused.
+                self._process.kill()
+                raise ZygoteError(f"the zygote failed to start {module}: {error}") from error
+            if reply.get("id") != request["id"]:
+                self._process.kill()
+                raise ZygoteError(
+                    f"the zygote answered request {reply.get('id')}, not {request['id']}"
+                )
+        if "pid" not in reply:
+            raise ZygoteError(f"the zygote could not start {module}: {reply.get('error', reply)}")
+        return ZygoteChild(int(reply["pid"]), status, self)
+
+    def _read_reply(self) -> dict:
+        """One JSON line from the zygote, within REPLY_TIMEOUT_S."""
+        assert self._process.stdout is not None
+        fd = self._process.stdout.fileno()
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while b"\n" not in self._reply_buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ZygoteError(f"no answer from the zygote within {REPLY_TIMEOUT_S:g} s")
+            readable, _, _ = select.select([fd], [], [], left)
+            if readable:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise ZygoteError(f"the zygote closed its output; see {self._log_path}")
+                self._reply_buffer += chunk
+        line, self._reply_buffer = self._reply_buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        """Stop the zygote, within 15 s. Its running children are not its to stop: each is
+        killed, with its process group, by the `run_workers` that asked for it."""
+        with contextlib.suppress(OSError):
+            if self._process.stdin is not None:
+                self._process.stdin.close()
+        try:
+            self._process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=5.0)
+        launch.stop_groups([self._process], wait_s=5.0)  # forgets it once it is gone
+        with contextlib.suppress(OSError):
+            if self._log_path.stat().st_size == 0:  # nothing went wrong: leave nothing behind
+                self._log_path.unlink()
+
+
+# ---- the zygote process ----------------------------------------------------------------------
+
+
+def _write(line: dict) -> None:
+    os.write(1, json.dumps(line).encode() + b"\n")
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become ``python -m module args`` and exit with its status."""
+    code = 1
+    try:
+        # A group of our own, so that killing it kills what the worker starts too. The zygote
+        # makes us a group leader as well (setpgid), which fails setsid: then the group it
+        # made is ours, and a session of our own is only a nicety.
+        with contextlib.suppress(OSError):
+            os.setsid()
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
+        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if request["cwd"]:
+            os.chdir(request["cwd"])
+        sys.argv = [request["module"], *request["args"]]
+        try:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exit_:
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
+                print(exit_.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def _reap(children: dict[int, str]) -> None:
+    """Write the exit code of every child that has exited to its status file, then reap it.
+
+    ``waitid(WNOWAIT)`` leaves the exited child a zombie while its status is written, so its
+    pid is not free for reuse until the client can see that it exited.
+    """
+    while children:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid == 0:
+            return
+        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        path = children.pop(info.si_pid, None)
+        if path is not None:
+            tmp = f"{path}.tmp"
+            try:
+                with open(tmp, "w") as f:
+                    f.write(str(code))
+                os.replace(tmp, path)
+            except OSError:
+                pass  # its log directory is gone: the client stopped waiting for it
+        os.waitpid(info.si_pid, 0)
+
+
+def serve(preload: Sequence[str]) -> int:
+    """Import `preload`, then fork a child per request on stdin until stdin closes."""
+    why_not = platform_unsupported()
+    if why_not:  # the client checks too; a zygote started anyway must not fail its first job
+        _write({"ready": False, "error": why_not})
+        return 3
+    for module in preload:
+        importlib.import_module(module)
+    threads = _thread_count()
+    if threads != 1:
+        _write({"ready": False, "error": f"{threads} threads after the imports; fork is unsafe"})
+        return 3
+    _write({"ready": True})
+    children: dict[int, str] = {}
+    buffer = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], _REAP_INTERVAL_S)
+        _reap(children)
+        if not readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            break
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            request: dict = {}
+            try:
+                request = json.loads(line)
+                pid = os.fork()
+            except Exception as error:
+                _write({"id": request.get("id"), "error": f"{type(error).__name__}: {error}"})
+                continue
+            if pid == 0:
+                _child(request)
+            # The child's group exists before the client learns its pid (the child's own
+            # setsid may not have run yet): a kill of the group can never miss it.
+            with contextlib.suppress(OSError):
+                os.setpgid(pid, pid)
+            children[pid] = request["status"]
+            _write({"id": request["id"], "pid": pid})
+    # stdin closed: the client is gone or done. Children already running finish on their own.
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))

@@ -1,0 +1,151 @@
+"""The shape of the packages: the data flow runs one way, the references stand alone.
+
+`crosscheck`'s subpackages follow the flow fixture -> layout -> step -> gradient -> judge /
+diagnose -> report, each importing only those before it (`LAYERS`); inside a subpackage the
+modules import each other without a cycle. `jax_impl` and `torch_impl` hold the reference a user
+reads and copies: their modules never import their own ``harness`` (what launches and drives
+them) nor `crosscheck` (three independent implementations: a shared helper would hide a shared
+bug). Only runtime imports count: an import under ``if TYPE_CHECKING:`` runs nowhere.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: crosscheck's layers, bottom first; `exit_codes` is a leaf every layer may use.
+LAYERS = (
+    "exit_codes",
+    "contract",
+    "fixtures",
+    "judge",
+    "diagnosis",
+    "launch",
+    "run",
+    "bugs",
+    "verification",
+    "cli",
+)
+#: A package file longer than this must say why in its docstring, after "Why one file:".
+MAX_LINES = 350
+LONG_FILE_REASON = "Why one file:"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import that runs, relative imports resolved; the names imported
+    `from` a package count as submodules when they are files."""
+    tree = ast.parse(path.read_text())
+    type_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            type_only.update(id(sub) for sub in ast.walk(node))
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            package = ROOT / Path(*node.module.split("."))
+            for alias in node.names:
+                is_module = (package / f"{alias.name}.py").exists() or (
+                    package / alias.name
+                ).is_dir()
+                found.append(
+                    (node.lineno, f"{node.module}.{alias.name}" if is_module else node.module)
+                )
+    return found
+
+
+def _files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def test_every_crosscheck_subpackage_is_a_known_layer():
+    subpackages = {p.name for p in (ROOT / "crosscheck").iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in (ROOT / "crosscheck").glob("*.py")}
+    assert subpackages | (modules - {"__init__", "__main__"}) <= set(LAYERS), sorted(
+        (subpackages | modules) - set(LAYERS)
+    )
+
+
+def test_the_layers_of_crosscheck_import_one_way():
+    upward = []
+    for path in _files("crosscheck"):
+        mine = path.relative_to(ROOT / "crosscheck").with_suffix("").parts[0]
+        if mine in ("__init__", "__main__"):
+            continue  # the public API and the entry point sit above every layer
+        for line, module in _runtime_imports(path):
+            parts = module.split(".")
+            if parts[0] != "crosscheck":
+                continue
+            assert len(parts) > 1, f"{path.relative_to(ROOT)}:{line} imports crosscheck itself"
+            theirs = parts[1]
+            if theirs in LAYERS and LAYERS.index(theirs) > LAYERS.index(mine):
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({mine}) imports {module}")
+    assert upward == []
+
+
+@pytest.mark.parametrize("package", ["crosscheck", "jax_impl", "torch_impl"])
+def test_no_module_imports_itself_back_through_a_cycle(package):
+    graph: dict[str, set[str]] = {}
+    for path in _files(package):
+        name = _module_name(path)
+        graph[name] = {
+            module for _, module in _runtime_imports(path) if module.startswith(f"{package}.")
+        }
+    known = set(graph)
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node] & known):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    # A package's __init__ importing its own modules is no cycle of the flow.
+    assert [c for c in cycles if not c.startswith(f"{package} ->")] == []
+
+
+@pytest.mark.parametrize("package", ["jax_impl", "torch_impl"])
+def test_the_reference_imports_neither_its_harness_nor_crosscheck(package):
+    bad = []
+    for path in _files(package):
+        relative = path.relative_to(ROOT)
+        in_harness = relative.parts[1] == "harness"
+        for line, module in _runtime_imports(path):
+            if module.split(".")[0] == "crosscheck":
+                bad.append(f"{relative}:{line} imports {module}")
+            if module.startswith(f"{package}.harness") and not in_harness:
+                if relative.name == "__init__.py" and package == "torch_impl":
+                    continue  # re-exports `launch` and its errors, documented in the docstring
+                bad.append(f"{relative}:{line} imports {module}")
+    assert bad == []
+
+
+def test_long_package_files_say_why_they_are_one_file():
+    unexplained = []
+    for package in ("crosscheck", "jax_impl", "torch_impl"):
+        for path in _files(package):
+            lines = path.read_text().count("\n")
+            if lines <= MAX_LINES:
+                continue
+            docstring = ast.get_docstring(ast.parse(path.read_text())) or ""
+            if LONG_FILE_REASON not in docstring:
+                unexplained.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert unexplained == []

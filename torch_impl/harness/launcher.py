@@ -1,0 +1,383 @@
+"""Run a function on R real processes with a gloo process group; every wait is bounded.
+
+``launch(fn, world_size, args)`` starts R rank processes (see `torch_impl.harness.rank_processes`),
+joins them into a gloo process group through a ``file://`` rendezvous in a fresh temporary
+directory (no port to race for), calls ``fn(rank, world_size, *args)`` on each and returns the
+R results in rank order. It never hangs, and nothing it starts outlives it:
+
+* every rank leads a process group of its own, so the launcher stops a rank by signalling its
+  group: whatever the rank's code started (a data loader's workers, a ``subprocess``) goes with
+  it, unless it left the group itself (``setsid``, ``start_new_session=True``). Ranks are not
+  daemonic, so they may start children;
+* the job, the results and each rank's report travel through files in a fresh temporary
+  directory: starting a process never blocks on a pipe its child may not live to read, and a
+  rank killed at any moment cannot leave a lock held that its peers need;
+* the process group has a timeout, so a collective whose peer is gone fails on its own;
+* the caller polls the reports against one deadline for the whole launch and, between polls,
+  checks every process: a rank that raised reports its traceback, a rank that died without
+  reporting (segfault, ``os._exit``, OOM kill, SIGKILL) is seen by its exit status, named with
+  the signal that killed it;
+* on the first failure ``RankFailedError`` names the rank; past the deadline
+  ``LaunchTimeoutError`` names the ranks that had not reported. On every way out of `launch`
+  (a result, an error, the deadline, KeyboardInterrupt) its process groups get SIGTERM, then
+  SIGKILL after ``stop_grace_s`` (2 s), and are gone before it returns or raises.
+
+Where ranks come from (`start_method`, decided at every launch;
+`torch_impl.harness.rank_processes`): forked from a fork server of the launcher's own that imported
+torch once, where the platform has ``os.fork`` and multiprocessing's forkserver start method and
+``GRADWEIGHT_NO_FORK_SERVERS`` is unset, "" or "0"; otherwise spawned, each rank a fresh interpreter
+that imports torch itself. Same results, same messages, only slower. Measured on two shared cores, a
+two-rank launch takes about 2.0 s through the fork server the first time in a process (the server's
+import of torch) and 0.07 s every later time; spawned, 1.4-1.5 s every time for a trivial function
+and 2.7-2.9 s for one that constructs DDP (whose dependencies the fork server preloads). The fork
+server keeps the environment of the launch that started it; a spawned rank that of its own.
+
+`terminate_all` stops every launch in flight from any thread (the CLI calls it on Ctrl-C or
+SIGTERM), and the fork server and resource tracker the launches started. `finish_rank` ends the
+rank it is called in at once, as if `fn` had returned: for a rank whose main thread is stuck
+in a collective that a failed peer will never join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from torch_impl.harness import rank_processes
+
+# Re-exported: callers and crosscheck.launch.processes find these here.
+from torch_impl.harness.rank_processes import FORK_SERVER_PRELOAD as FORK_SERVER_PRELOAD
+from torch_impl.harness.rank_processes import NO_FORK_SERVERS_ENV as NO_FORK_SERVERS_ENV
+from torch_impl.harness.rank_processes import describe_exit as describe_exit
+from torch_impl.harness.rank_processes import start_method as start_method
+from torch_impl.harness.rank_processes import terminate_all as terminate_all
+
+#: After a rank reported a peer's failure (a closed connection, a timed-out collective), how
+#: long to wait for the rank that caused it to be seen dead or to report its own error.
+_EXIT_GRACE_S = 2.0
+#: After every rank reported, how long each may take to leave (destroy its process group)
+#: before its group is signalled like any other.
+_EXIT_WAIT_S = 5.0
+_JOB_FILE = "job.pkl"
+_POLL_S = 0.05
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; `rank` is which, `details` its traceback or exit status.
+
+    `exitcode` is the exit status of a rank that died without reporting (negative: the signal
+    that killed it), None for a rank that raised.
+    """
+
+    def __init__(self, rank: int, details: str, exitcode: int | None = None) -> None:
+        super().__init__(f"rank {rank} failed:\n{details}")
+        self.rank = rank
+        self.details = details
+        self.exitcode = exitcode
+
+
+class LaunchTimeoutError(TimeoutError):
+    """Some ranks did not report within the launch's time limit."""
+
+    def __init__(self, ranks: Sequence[int], timeout_s: float) -> None:
+        names = ", ".join(str(r) for r in ranks)
+        super().__init__(f"rank(s) {names} did not finish within {timeout_s:g} s")
+        self.ranks = list(ranks)
+
+
+class LaunchStoppedError(RuntimeError):
+    """`terminate_all` stopped the launch's ranks (the CLI was interrupted, say)."""
+
+
+# --- Rank side ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Report:
+    """What a rank leaves in ``report-{rank}.pkl`` once `fn` returned, raised or was cut short."""
+
+    ok: bool
+    #: The traceback when not ok.
+    details: str
+    #: ``time.monotonic()`` when written: CLOCK_MONOTONIC is one clock for every process of
+    #: the machine, so reports of different ranks are ordered by it.
+    written_at: float
+
+
+def _result_file(rank: int) -> str:
+    return f"result-{rank}.pkl"
+
+
+def _report_file(rank: int) -> str:
+    return f"report-{rank}.pkl"
+
+
+def _write_atomic(path: str, value: Any) -> None:
+    # A name of this process and thread: two threads of one rank (see finish_rank) never
+    # write the same temporary file.
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(temporary, "wb") as f:
+        pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(temporary, path)
+
+
+class _RankSlot:
+    """This rank's report, written once: by `_worker`'s main thread or by `finish_rank`."""
+
+    def __init__(self, rank: int, workdir: str) -> None:
+        self.rank = rank
+        self.workdir = workdir
+        self.lock = threading.Lock()
+        self.reported = False
+
+    def report(self, ok: bool, value: Any = None, details: str = "") -> bool:
+        """Write the result (when ok) and then the report; False when one was written before.
+
+        Held locked by the caller of `finish_rank` until the process ends, so a report cannot
+        be overwritten by the main thread finishing at the same moment.
+        """
+        if self.reported:
+            return False
+        if ok:
+            _write_atomic(os.path.join(self.workdir, _result_file(self.rank)), value)
+        # The report goes last: once it exists, the result it announces is complete.
+        report = _Report(ok, details, time.monotonic())
+        _write_atomic(os.path.join(self.workdir, _report_file(self.rank)), report)
+        self.reported = True
+        return True
+
+
+#: Set in a rank process by `_worker`; None elsewhere.
+_slot: _RankSlot | None = None
+
+
+def finish_rank(value: Any) -> NoReturn:
+    """End this rank now, as if `fn` had returned `value`; callable from any thread of a rank.
+
+    For a rank whose main thread cannot return: blocked in a collective that a failed peer
+    will never join (gloo cannot be woken from it until its timeout). The result and report
+    are written, then the process exits at once (``os._exit``: no clean-up runs, the peers'
+    collectives with it fail). Only in a rank process started by `launch`.
+    """
+    slot = _slot
+    if slot is None:
+        raise RuntimeError("finish_rank() is only for a rank process started by launch()")
+    slot.lock.acquire()  # never released: the process ends holding it
+    try:
+        slot.report(True, value)
+    finally:
+        # Flush what the rank printed: os._exit skips it.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+
+def _worker(
+    rank: int, world_size: int, init_method: str, collective_timeout_s: float, workdir: str
+) -> None:
+    # First of all, before anything can start a child: lead a process group of its own, so that
+    # the launcher's killpg() also ends whatever this rank's code starts.
+    with contextlib.suppress(OSError):  # EPERM: already a group leader
+        os.setsid()
+    global _slot
+    slot = _slot = _RankSlot(rank, workdir)
+    # Several ranks share few cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        with open(os.path.join(workdir, _JOB_FILE), "rb") as f:
+            fn, args = pickle.load(f)
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        outcome: tuple[bool, Any, str] = (True, value, "")
+    except BaseException:
+        outcome = (False, None, traceback.format_exc())
+    # Report before leaving the process group: once this rank's sockets close its peers fail
+    # too, and their reports must not be older than the root cause's.
+    with slot.lock:
+        ok, value, details = outcome
+        try:
+            slot.report(ok, value, details)
+        except BaseException:  # the value did not pickle, say: a failure still reports
+            slot.report(False, None, traceback.format_exc())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --- The launch -----------------------------------------------------------------------------
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = 120.0,
+    collective_timeout_s: float = 60.0,
+    stop_grace_s: float = 2.0,
+) -> list[Any]:
+    """``[fn(0, R, *args), ..., fn(R-1, R, *args)]``, each computed in its own process.
+
+    `fn` must be a module-level function and `args` picklable. Raises RankFailedError naming the
+    first rank that raised or died (promptly: within `_EXIT_GRACE_S` of the report, or of the
+    death being seen), LaunchTimeoutError after `timeout_s` seconds in all, LaunchStoppedError
+    when `terminate_all` stopped it. Whatever the way out, every process group it started got
+    SIGTERM, then SIGKILL after `stop_grace_s`, and is gone: the call takes at most about
+    ``timeout_s + stop_grace_s + 2`` s (a process in uninterruptible sleep aside).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise RuntimeError("torch.distributed with the gloo backend is required and missing")
+    # The deadline counts from here: starting ranks (the fork server's first import of torch,
+    # or every spawned rank's) is part of the launch's time.
+    deadline = time.monotonic() + timeout_s
+    method = start_method()
+    rank_processes.ensure_running(method)
+    generation = rank_processes.generation()
+    workdir = tempfile.mkdtemp(prefix="gradweight-launch-")
+    # The job goes through a file, not the start pipe: Process.start() writes its arguments
+    # into a pipe and blocks until the child reads them, so a child that dies while starting
+    # (e.g. a main module without the __main__ guard) would hang the caller on a large job.
+    _write_atomic(os.path.join(workdir, _JOB_FILE), (fn, tuple(args)))
+    init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
+    processes = [
+        rank_processes.new_process(
+            method,
+            _worker,
+            (rank, world_size, init_method, collective_timeout_s, workdir),
+            f"gradweight-rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    groups = []
+    try:
+        for process in processes:
+            groups.append(rank_processes.start(process))
+        _collect(processes, workdir, deadline, timeout_s, generation)
+        values = []
+        for rank in range(world_size):
+            with open(os.path.join(workdir, _result_file(rank)), "rb") as f:
+                values.append(pickle.load(f))
+        # Give the ranks a moment to leave their process group cleanly before the signals
+        # (within the deadline: the results are in hand, the bound holds).
+        exit_by = min(time.monotonic() + _EXIT_WAIT_S, deadline)
+        for process in processes:
+            process.join(timeout=max(0.0, exit_by - time.monotonic()))
+        return values
+    finally:
+        rank_processes.stop(groups, processes, stop_grace_s)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _read_reports(workdir: str, reports: dict[int, _Report], world_size: int) -> None:
+    """Add the reports written since the last call to `reports` (rank -> report)."""
+    for rank in range(world_size):
+        if rank in reports:
+            continue
+        path = os.path.join(workdir, _report_file(rank))
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                reports[rank] = pickle.load(f)
+
+
+def _dead_silent(processes: list, reports: dict[int, _Report], workdir: str) -> int | None:
+    """The first rank that exited without a report (checked after its exit: no race)."""
+    for rank, process in enumerate(processes):
+        if rank in reports or process.is_alive():
+            continue
+        _read_reports(workdir, reports, len(processes))  # written before it exited, if at all
+        if rank not in reports:
+            return rank
+    return None
+
+
+def _collect(
+    processes: list, workdir: str, deadline: float, timeout_s: float, generation: int
+) -> None:
+    """Wait until every rank reported success; raise for the first failure or the deadline."""
+    reports: dict[int, _Report] = {}
+    while True:
+        _read_reports(workdir, reports, len(processes))
+        if len(reports) == len(processes) and all(report.ok for report in reports.values()):
+            return
+        if rank_processes.generation() != generation:  # stopped: whatever failed, failed so
+            raise LaunchStoppedError("the launch was stopped by terminate_all()")
+        if any(not report.ok for report in reports.values()):
+            raise _root_cause(processes, workdir, reports)
+        dead = _dead_silent(processes, reports, workdir)
+        if dead is not None:
+            exitcode = processes[dead].exitcode
+            raise RankFailedError(
+                dead, f"process {describe_exit(exitcode)} without reporting a result", exitcode
+            )
+        now = time.monotonic()
+        if now >= deadline:
+            raise LaunchTimeoutError(
+                [r for r in range(len(processes)) if r not in reports], timeout_s
+            )
+        time.sleep(min(_POLL_S, deadline - now))
+
+
+def _root_cause(processes: list, workdir: str, reports: dict[int, _Report]) -> RankFailedError:
+    """The failure to report once some rank reported one: a rank that died first is the cause.
+
+    A rank killed outright (segfault, SIGKILL) reports nothing, and its peers then fail in
+    their next collective with a connection error that would otherwise be blamed on them; a
+    rank that reports a peer's absence is blamed only when no other cause shows up within
+    `_EXIT_GRACE_S`.
+    """
+    deadline = time.monotonic() + _EXIT_GRACE_S
+    while True:
+        failed = sorted(
+            (report.written_at, rank) for rank, report in reports.items() if not report.ok
+        )
+        first = failed[0][1]
+        dead = _dead_silent(processes, reports, workdir)
+        if dead is not None:
+            exitcode = processes[dead].exitcode
+            return RankFailedError(
+                dead,
+                f"process {describe_exit(exitcode)} without reporting a result; "
+                f"rank {first} then failed with:\n{reports[first].details}",
+                exitcode,
+            )
+        causes = [rank for _, rank in failed if not _peer_failure(reports[rank].details)]
+        if causes:
+            return RankFailedError(causes[0], reports[causes[0]].details)
+        if time.monotonic() >= deadline:
+            # A peer timed out or vanished but no rank died: one that is still running
+            # (hung, or slower than the collective timeout) is the likelier cause.
+            details = reports[first].details
+            running = [r for r, p in enumerate(processes) if r not in reports and p.is_alive()]
+            if running:
+                details += f"\n(rank(s) {', '.join(map(str, running))} still running at the time)"
+            return RankFailedError(first, details)
+        time.sleep(_POLL_S)
+        _read_reports(workdir, reports, len(processes))
+
+
+def _peer_failure(details: str) -> bool:
+    """Whether a traceback looks like the consequence of another rank going away."""
+    markers = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out")
+    return any(marker.lower() in details.lower() for marker in markers)
