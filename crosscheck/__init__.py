@@ -21,7 +21,14 @@ The public API is the names below. Verify a step::
 
 or diagnose a gradient computed anywhere: ``crosscheck.diagnose(fixture, R, M, grads,
 "token_mean")``. For a test suite, ``crosscheck.assert_weighting`` raises AssertionError with
-the diagnosis, and the pytest plugin (`crosscheck.pytest_plugin`) offers it as a fixture.
+the diagnosis, and the pytest plugin (`crosscheck.pytest_plugin`, registered on install) offers
+it as the fixture ``gradweight``. `framework` is a `Framework`, ``"torch"`` or ``"jax"``.
+
+``pip install gradweight`` brings numpy and rich: enough for the oracle, `diagnose` and
+``crosscheck run --impls oracle``. Running a step (`verify`, the other implementations,
+``crosscheck bugs``) needs its framework: the extra ``gradweight[torch]`` or
+``gradweight[jax]``; ``gradweight[plot]`` adds matplotlib for ``crosscheck run --plot``. The
+packages are typed (``py.typed``).
 
 Importing `crosscheck` changes nothing global and imports nothing heavy: the names below are
 loaded from their modules on first use (PEP 562 ``__getattr__``). That is what lets
@@ -42,9 +49,9 @@ _EXPORTS: dict[str, str] = {
     "verify": "crosscheck.verification.verifier",
     "assert_weighting": "crosscheck.verification.verifier",
     "Framework": "crosscheck.verification.verifier",
-    "VerifyReport": "crosscheck.verification.verifier",
-    "VerifyCase": "crosscheck.verification.verifier",
-    "StepSetupError": "crosscheck.verification.verifier",
+    "VerifyReport": "crosscheck.verification.report",
+    "VerifyCase": "crosscheck.verification.report",
+    "StepSetupError": "crosscheck.verification.step_check",
     "StepError": "crosscheck.verification.protocol",
     "log_denominator": "crosscheck.verification.protocol",
     # diagnose any gradient
@@ -115,14 +122,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
     from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture, random_fixture
     from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, tree_rel_err
     from crosscheck.verification.protocol import StepError, log_denominator
-    from crosscheck.verification.verifier import (
-        Framework,
-        StepSetupError,
-        VerifyCase,
-        VerifyReport,
-        assert_weighting,
-        verify,
-    )
+    from crosscheck.verification.report import VerifyCase, VerifyReport
+    from crosscheck.verification.step_check import StepSetupError
+    from crosscheck.verification.verifier import Framework, assert_weighting, verify
 
 __all__ = [
     "ACCIDENTAL_SCHEMES",

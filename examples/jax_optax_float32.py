@@ -49,8 +49,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from crosscheck import log_denominator
-
-IGNORE_INDEX = -100
+from examples._jax_common import (
+    IGNORE_INDEX,
+    Batch,
+    Optimizer,
+    device_varying,
+    run_micro_steps,
+    token_losses,
+)
 
 Reduction = Callable[[Any, str], Any]
 
@@ -59,17 +65,12 @@ def loss_sum_and_count(
     params: Any, apply_fn: Callable, microbatch: dict[str, jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
     """Summed token loss of one microbatch on one device, and its number of valid targets."""
-    logits = apply_fn(params, microbatch["inputs"])
-    targets = microbatch["targets"]
-    mask = targets != IGNORE_INDEX
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, targets, 0))
-    return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask)
+    losses, mask = token_losses(params, apply_fn, microbatch)
+    return jnp.sum(losses), jnp.sum(mask)
 
 
 @functools.cache
-def accumulate(
-    optimizer: optax.GradientTransformation, accum_steps: int, use_grad_mean: bool
-) -> optax.MultiSteps:
+def accumulate(optimizer: Optimizer, accum_steps: int, use_grad_mean: bool) -> optax.MultiSteps:
     """The user's optimizer, applied once every `accum_steps` micro-steps."""
     # No accumulator_dtype, on purpose: MultiSteps then keeps its running gradient in float32
     # (its default), although params and gradients are float64. That is the point of this
@@ -90,17 +91,13 @@ def make_train_step(
     """
 
     def device_grads(params: Any, microbatch: dict[str, jax.Array], denominator: jax.Array) -> Any:
-        # Device-varying params: jax.grad then returns this device's own gradient (as under
-        # pmap), and `reduce` is the one data-parallel reduction.
-        params = jax.lax.pcast(params, ("data",), to="varying")
-
         def loss(p: Any) -> jax.Array:
             loss_sum, count = loss_sum_and_count(p, apply_fn, microbatch)
             if token_mean:  # guarded: a microbatch without targets adds 0, not NaN
                 return loss_sum / jnp.maximum(count, 1)
             return loss_sum / denominator[0]
 
-        return reduce(jax.grad(loss)(params), "data")
+        return reduce(jax.grad(loss)(device_varying(params)), "data")
 
     grads_fn = jax.shard_map(
         device_grads, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P()
@@ -119,153 +116,84 @@ def make_train_step(
 def run_update(
     params: Any,
     apply_fn: Callable,
-    batch: dict[str, np.ndarray],
+    batch: Batch,
     mesh: Mesh,
-    optimizer: optax.GradientTransformation,
+    optimizer: Optimizer,
+    denominators: int | np.ndarray | None,
     *,
-    denominators: np.ndarray,
-    token_mean: bool,
-    reduce: Reduction,
-    use_grad_mean: bool,
+    reduce: Reduction = jax.lax.psum,
+    use_grad_mean: bool = False,
 ) -> Any:
-    """One optimizer update over M micro-steps; returns the updates MultiSteps emits."""
-    accum_steps = batch["inputs"].shape[1]
+    """One optimizer update over M micro-steps; returns the updates MultiSteps emits.
+
+    Every device divides its summed token loss by `denominators` (one number for all, or one
+    per device, [R]); None: each microbatch takes its own token mean instead. `reduce`
+    combines the devices' gradients; MultiSteps sums its micro-steps, or averages them with
+    `use_grad_mean`. The defaults are those of the correct `step`.
+    """
+    world_size, accum_steps = batch["inputs"].shape[:2]
     tx = accumulate(optimizer, accum_steps, use_grad_mean)
-    opt_state = tx.init(params)
-    train_step = make_train_step(apply_fn, tx, mesh, token_mean, reduce)
-    denominators = np.asarray(denominators, dtype=np.float64)
-    for m in range(accum_steps):
-        microbatch = {key: value[:, m] for key, value in batch.items()}  # [R, B, T]
-        updates, opt_state = train_step(params, opt_state, microbatch, denominators)
-        params = optax.apply_updates(params, updates)  # zeros until the M-th micro-step
-    return updates
+    train_step = make_train_step(apply_fn, tx, mesh, denominators is None, reduce)
+    if denominators is None:  # unused: each microbatch takes its own token mean
+        denominators = np.ones(world_size)
+    per_device = np.array(np.broadcast_to(denominators, world_size), dtype=np.float64)  # [R]
+    micro_step = functools.partial(train_step, denominators=per_device)
+    return run_micro_steps(micro_step, params, tx.init(params), batch)
 
 
-def global_valid_targets(batch: dict[str, np.ndarray]) -> int:
+def global_valid_targets(batch: Batch) -> int:
     """D: the valid targets of the whole update, every device and microbatch, counted from
     the batch before the first micro-step (at least 1: an empty update adds nothing)."""
     return max(int(np.sum(batch["targets"] != IGNORE_INDEX)), 1)
 
 
-def device_valid_targets(batch: dict[str, np.ndarray]) -> np.ndarray:
+def device_valid_targets(batch: Batch) -> np.ndarray:
     """Each device's own valid targets over all its microbatches, [R] (at least 1)."""
     return np.maximum(np.sum(batch["targets"] != IGNORE_INDEX, axis=(1, 2, 3)), 1)
 
 
-def step(
-    params: Any,
-    apply_fn: Callable,
-    batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    optimizer: optax.GradientTransformation,
-) -> Any:
+def step(params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh, optimizer: Optimizer) -> Any:
     """Sum / global D on every device, psum, MultiSteps summing: the global token mean."""
-    world_size = batch["inputs"].shape[0]
     D = global_valid_targets(batch)
     log_denominator(D)
-    return run_update(
-        params,
-        apply_fn,
-        batch,
-        mesh,
-        optimizer,
-        denominators=np.full(world_size, D),
-        token_mean=False,
-        reduce=jax.lax.psum,
-        use_grad_mean=False,
-    )
+    return run_update(params, apply_fn, batch, mesh, optimizer, D)
 
 
 def step_microbatch_mean(
-    params: Any,
-    apply_fn: Callable,
-    batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    optimizer: optax.GradientTransformation,
+    params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh, optimizer: Optimizer
 ) -> Any:
     """Each device's microbatch token mean, pmean, MultiSteps averaging: microbatch-mean."""
-    world_size = batch["inputs"].shape[0]
     # What the loop would log: the count device 0's last microbatch was averaged over.
     log_denominator(np.sum(batch["targets"][0, -1] != IGNORE_INDEX))
     return run_update(
-        params,
-        apply_fn,
-        batch,
-        mesh,
-        optimizer,
-        denominators=np.ones(world_size),  # unused: each microbatch takes its own mean
-        token_mean=True,
-        reduce=jax.lax.pmean,
-        use_grad_mean=True,
+        params, apply_fn, batch, mesh, optimizer, None, reduce=jax.lax.pmean, use_grad_mean=True
     )
 
 
 def step_rank_count(
-    params: Any,
-    apply_fn: Callable,
-    batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    optimizer: optax.GradientTransformation,
+    params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh, optimizer: Optimizer
 ) -> Any:
     """Each device divides by its own count of the whole update, pmean: rank-mean."""
     counts = device_valid_targets(batch)  # the bug: never summed over the devices
     log_denominator(counts[0])
-    return run_update(
-        params,
-        apply_fn,
-        batch,
-        mesh,
-        optimizer,
-        denominators=counts,
-        token_mean=False,
-        reduce=jax.lax.pmean,
-        use_grad_mean=False,
-    )
+    return run_update(params, apply_fn, batch, mesh, optimizer, counts, reduce=jax.lax.pmean)
 
 
 def step_extra_accum_divide(
-    params: Any,
-    apply_fn: Callable,
-    batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    optimizer: optax.GradientTransformation,
+    params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh, optimizer: Optimizer
 ) -> Any:
     """Global D and psum, but MultiSteps' default mean divides by M again."""
-    world_size = batch["inputs"].shape[0]
     D = global_valid_targets(batch)
     log_denominator(D)
-    return run_update(
-        params,
-        apply_fn,
-        batch,
-        mesh,
-        optimizer,
-        denominators=np.full(world_size, D),
-        token_mean=False,
-        reduce=jax.lax.psum,
-        use_grad_mean=True,  # the bug: D already covers all M micro-steps
-    )
+    # The bug: D already covers all M micro-steps.
+    return run_update(params, apply_fn, batch, mesh, optimizer, D, use_grad_mean=True)
 
 
 def step_averaged_grads(
-    params: Any,
-    apply_fn: Callable,
-    batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    optimizer: optax.GradientTransformation,
+    params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh, optimizer: Optimizer
 ) -> Any:
     """Global D and a summing MultiSteps, but pmean over the devices: missing-world-size."""
-    world_size = batch["inputs"].shape[0]
     D = global_valid_targets(batch)
     log_denominator(D)  # D, not R D: not double-reduce-count
-    return run_update(
-        params,
-        apply_fn,
-        batch,
-        mesh,
-        optimizer,
-        denominators=np.full(world_size, D),
-        token_mean=False,
-        reduce=jax.lax.pmean,  # the bug: averages where D already counts every device
-        use_grad_mean=False,
-    )
+    # The bug: pmean averages where D already counts every device.
+    return run_update(params, apply_fn, batch, mesh, optimizer, D, reduce=jax.lax.pmean)

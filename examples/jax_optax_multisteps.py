@@ -28,27 +28,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-IGNORE_INDEX = -100
+from examples._jax_common import Batch, Optimizer, device_varying, run_micro_steps, token_losses
 
 
 def mean_loss(params: Any, apply_fn: Callable, microbatch: dict[str, jax.Array]) -> jax.Array:
     """Token mean of one microbatch on one device (guarded: 0, not NaN, when it has none)."""
-    logits = apply_fn(params, microbatch["inputs"])
-    targets = microbatch["targets"]
-    mask = targets != IGNORE_INDEX
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, targets, 0))
-    return jnp.sum(jnp.where(mask, losses, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+    losses, mask = token_losses(params, apply_fn, microbatch)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(mask), 1)
 
 
 @functools.cache
-def accumulate(
-    optimizer: optax.GradientTransformation, accum_steps: int, dtype: jnp.dtype
-) -> optax.MultiSteps:
+def accumulate(optimizer: Optimizer, accum_steps: int, dtype: jnp.dtype) -> optax.MultiSteps:
     """The user's optimizer wrapped to apply once every `accum_steps` micro-steps."""
     # optax's MultiSteps keeps its running mean in float32 unless told otherwise, which would
     # round a float64 gradient at ~1e-8; accumulating in the params' dtype leaves only the
@@ -62,12 +56,8 @@ def make_train_step(apply_fn: Callable, tx: optax.MultiSteps, mesh: Mesh) -> Cal
     caches let jobs of one shape reuse its compiled code)."""
 
     def device_grads(params: Any, microbatch: dict[str, jax.Array]) -> Any:
-        # shard_map treats replicated params as device-invariant, and jax.grad would then
-        # already sum over devices; marking them device-varying gives this device's own
-        # gradient, as pmap does, so the pmean below is the one data-parallel reduction.
-        params = jax.lax.pcast(params, ("data",), to="varying")
-        grads = jax.grad(mean_loss)(params, apply_fn, microbatch)
-        return jax.lax.pmean(grads, "data")
+        grads = jax.grad(mean_loss)(device_varying(params), apply_fn, microbatch)
+        return jax.lax.pmean(grads, "data")  # the mean over the devices
 
     grads_fn = jax.shard_map(device_grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
 
@@ -79,20 +69,8 @@ def make_train_step(apply_fn: Callable, tx: optax.MultiSteps, mesh: Mesh) -> Cal
     return train_step
 
 
-def step(
-    params: Any,
-    apply_fn: Callable,
-    batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    optimizer: optax.GradientTransformation,
-) -> Any:
+def step(params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh, optimizer: Optimizer) -> Any:
     """One optimizer update over M micro-steps; returns the updates MultiSteps emits."""
-    accum_steps = batch["inputs"].shape[1]
-    tx = accumulate(optimizer, accum_steps, jax.tree.leaves(params)[0].dtype)
-    opt_state = tx.init(params)
+    tx = accumulate(optimizer, batch["inputs"].shape[1], jax.tree.leaves(params)[0].dtype)
     train_step = make_train_step(apply_fn, tx, mesh)
-    for m in range(accum_steps):
-        microbatch = {key: value[:, m] for key, value in batch.items()}  # [R, B, T]
-        updates, opt_state = train_step(params, opt_state, microbatch)
-        params = optax.apply_updates(params, updates)  # zeros until the M-th micro-step
-    return updates
+    return run_micro_steps(train_step, params, tx.init(params), batch)

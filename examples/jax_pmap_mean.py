@@ -26,23 +26,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from jax.sharding import Mesh
 
-IGNORE_INDEX = -100
+from examples._jax_common import Batch, token_losses
 
 
 def device_loss(params: Any, apply_fn: Callable, batch: dict[str, jax.Array]) -> jax.Array:
     """Token mean of this device's whole batch: sum of losses / this device's own count."""
-    logits = apply_fn(params, batch["inputs"])
-    targets = batch["targets"]
-    mask = targets != IGNORE_INDEX
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, targets, 0))
-    loss_sum = jnp.sum(jnp.where(mask, losses, 0.0))
+    losses, mask = token_losses(params, apply_fn, batch)
     # The guard keeps a device without a single target at 0 instead of NaN; the bug is the
     # *local* count, guard or not.
-    return loss_sum / jnp.maximum(jnp.sum(mask), 1)
+    return jnp.sum(losses) / jnp.maximum(jnp.sum(mask), 1)
 
 
 def device_grads(apply_fn: Callable, params: Any, batch: dict[str, jax.Array]) -> Any:
@@ -62,7 +56,7 @@ def p_grads(apply_fn: Callable, devices: tuple[jax.Device, ...]) -> Callable:
     )
 
 
-def step(params: Any, apply_fn: Callable, batch: dict[str, np.ndarray], mesh: Mesh) -> Any:
+def step(params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh) -> Any:
     """The gradient of one update, [R, ...] per parameter (pmap's replicated output)."""
     R, M, B, T = batch["inputs"].shape
     # Each device's M microbatches as one batch of M * B rows.

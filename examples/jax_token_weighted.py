@@ -25,31 +25,24 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from examples._jax_common import Batch, Optimizer, device_varying, run_micro_steps, token_losses
 from jax_impl.token_weighted import token_weighted_accumulation
-
-IGNORE_INDEX = -100
 
 
 def loss_sum_and_count(
     params: Any, apply_fn: Callable, microbatch: dict[str, jax.Array]
 ) -> tuple[jax.Array, jax.Array]:
     """Sum of the token losses of one microbatch on one device, and its valid-token count."""
-    logits = apply_fn(params, microbatch["inputs"])
-    targets = microbatch["targets"]
-    mask = targets != IGNORE_INDEX
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, targets, 0))
-    return jnp.sum(jnp.where(mask, losses, 0.0)), jnp.sum(mask, dtype=jnp.int32)
+    losses, mask = token_losses(params, apply_fn, microbatch)
+    return jnp.sum(losses), jnp.sum(mask, dtype=jnp.int32)
 
 
 @functools.cache
-def accumulate(
-    optimizer: optax.GradientTransformation, accum_steps: int
-) -> optax.GradientTransformationExtraArgs:
+def accumulate(optimizer: Optimizer, accum_steps: int) -> optax.GradientTransformationExtraArgs:
     """The user's optimizer, applied once every `accum_steps` micro-steps to sum / count."""
     return token_weighted_accumulation(optimizer, accum_steps)
 
@@ -61,10 +54,9 @@ def make_train_step(
     """The jitted micro-step, built once per model, optimizer and mesh as a script does."""
 
     def device_grads(params: Any, microbatch: dict[str, jax.Array]) -> tuple[Any, jax.Array]:
-        # Device-varying params: jax.grad then returns this device's own gradient (as under
-        # pmap), and the psum below is the one data-parallel reduction.
-        params = jax.lax.pcast(params, ("data",), to="varying")
-        grads, count = jax.grad(loss_sum_and_count, has_aux=True)(params, apply_fn, microbatch)
+        loss_grad = jax.grad(loss_sum_and_count, has_aux=True)
+        grads, count = loss_grad(device_varying(params), apply_fn, microbatch)
+        # Sums, not means: of the gradients and of the counts, over the devices.
         return jax.lax.psum(grads, "data"), jax.lax.psum(count, "data")
 
     grads_fn = jax.shard_map(
@@ -79,20 +71,8 @@ def make_train_step(
     return train_step
 
 
-def step(
-    params: Any,
-    apply_fn: Callable,
-    batch: dict[str, np.ndarray],
-    mesh: Mesh,
-    optimizer: optax.GradientTransformation,
-) -> Any:
+def step(params: Any, apply_fn: Callable, batch: Batch, mesh: Mesh, optimizer: Optimizer) -> Any:
     """One optimizer update over M micro-steps; returns the updates the accumulator emits."""
-    accum_steps = batch["inputs"].shape[1]
-    tx = accumulate(optimizer, accum_steps)
-    opt_state = tx.init(params)
+    tx = accumulate(optimizer, batch["inputs"].shape[1])
     train_step = make_train_step(apply_fn, tx, mesh)
-    for m in range(accum_steps):
-        microbatch = {key: value[:, m] for key, value in batch.items()}  # [R, B, T]
-        updates, opt_state = train_step(params, opt_state, microbatch)
-        params = optax.apply_updates(params, updates)  # zeros until the M-th micro-step
-    return updates
+    return run_micro_steps(train_step, params, tx.init(params), batch)

@@ -3,8 +3,9 @@ r"""The accidental normalizations, written the way real training loops write the
 Each rank (or each microbatch) takes its own token mean and the data-parallel all-reduce
 averages the results. Neither is of the (a_t, d) form with a layout-free D, so neither is a
 scheme of `jax_impl.schemes`; they exist so that a gradient can be compared with them and the
-bug named (docs/bugs.md: rank-mean, microbatch-mean). Both have the `RankGradientsFn` signature and
-plug into any collective front-end through ``StepConfig(gradients=...)``.
+bug named (docs/bugs.md: rank-mean, microbatch-mean). Both take the `RankGradientsFn` arguments
+(the scheme's are ignored: what the loop does does not depend on them) and plug into any
+collective front-end through ``StepConfig(gradients=...)``.
 
 rank_mean
     token t on rank r weighs :math:`v_t / (R\, n_r)`: the seed example's 9x, torchtune#2980,
@@ -24,30 +25,50 @@ accident reproduced is the local mean, not a count rounded to the params' dtype 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from jax_impl.accumulate import RankGradients, accumulate_microbatches
+from jax_impl.accumulate import RankGradients, RankGradientsFn, accumulate_microbatches
 from jax_impl.denominators import denominator_dtype
 from jax_impl.losses import Microbatch, local_mean_loss
 from jax_impl.model import Params
 from jax_impl.schemes import IGNORE_INDEX
 
 
-def rank_mean_gradients(
-    params: Params,
-    rank_batch: Microbatch,
-    scheme: jax.Array,
-    constant_normalizer: jax.Array,
-    axis_name: str,
-) -> RankGradients:
+def _whatever_the_scheme(
+    gradients: Callable[[Params, Microbatch, str], RankGradients],
+) -> RankGradientsFn:
+    """`gradients(params, rank_batch, axis_name)` as a `RankGradientsFn`: the scheme index and
+    the constant normalizer are taken and ignored, since this is what the loop does whatever
+    was intended."""
+
+    # Its name and docstring; its own signature and annotations.
+    @functools.wraps(gradients, assigned=("__module__", "__name__", "__qualname__", "__doc__"))
+    def with_scheme_arguments(
+        params: Params,
+        rank_batch: Microbatch,
+        scheme: jax.Array,
+        constant_normalizer: jax.Array,
+        axis_name: str,
+    ) -> RankGradients:
+        del scheme, constant_normalizer
+        return gradients(params, rank_batch, axis_name)
+
+    del with_scheme_arguments.__wrapped__  # inspect.signature: this one, not `gradients`'
+    return with_scheme_arguments
+
+
+@_whatever_the_scheme
+def rank_mean_gradients(params: Params, rank_batch: Microbatch, axis_name: str) -> RankGradients:
     """Local token mean over this rank's M microbatches, then ``pmean`` over ranks.
 
     The scheme arguments are ignored: this is what the loop does whatever was intended. The
     reported denominator is R and the per-rank loss sum is the rank's own mean, as the
     oracle reports them.
     """
-    del scheme, constant_normalizer
     valid = rank_batch.targets != IGNORE_INDEX
     dtype = denominator_dtype()
     n_rank = jnp.sum(valid, dtype=jnp.int32)
@@ -64,19 +85,15 @@ def rank_mean_gradients(
     )
 
 
+@_whatever_the_scheme
 def microbatch_mean_gradients(
-    params: Params,
-    rank_batch: Microbatch,
-    scheme: jax.Array,
-    constant_normalizer: jax.Array,
-    axis_name: str,
+    params: Params, rank_batch: Microbatch, axis_name: str
 ) -> RankGradients:
     """Each microbatch's own token mean divided by M, accumulated, then ``pmean`` over ranks.
 
-    The reported denominator is R M and the per-rank loss sum is the sum of the rank's
-    microbatch means, as the oracle reports them.
+    The scheme arguments are ignored. The reported denominator is R M and the per-rank loss
+    sum is the sum of the rank's microbatch means, as the oracle reports them.
     """
-    del scheme, constant_normalizer
     accum_steps = rank_batch.targets.shape[0]
     dtype = denominator_dtype()
 

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_impl.denominators import (
+    ExactSum,
     denominator_dtype,
     divide_by_denominator,
     exact_sum,
@@ -103,16 +104,20 @@ def reduce_factor(collective: Collective, world_size: int) -> int:
     return world_size if collective is Collective.PMEAN else 1
 
 
-@jax.jit
-def accumulate_microbatches(
-    params: Params, rank_batch: Microbatch, token_weights: jax.Array, scale: jax.Array
+def continue_accumulation(
+    params: Params,
+    rank_batch: Microbatch,
+    token_weights: jax.Array,
+    scale: jax.Array,
+    sums: tuple[Params, jax.Array],
 ) -> tuple[Params, jax.Array]:
-    """sum over the M microbatches of grad((sum_t a_t l_t) * scale), and sum of sum_t a_t l_t.
+    """`sums` = (gradient sum, loss sum) continued over the microbatches of `rank_batch`.
 
-    `rank_batch` and `token_weights` are [M, B, T]; `scale` is s / D (precount) or 1 (postnorm),
-    in the denominator dtype like the loss sums it multiplies; the gradient is in the params'
-    dtype. jit-wrapped so that its trace is cached per shape and shared by the strategies of a sweep
-    (inside another jit, pmap or shard_map it is inlined, not a separate program).
+    Adds grad((sum_t a_t l_t) * scale) and sum_t a_t l_t of each microbatch in turn, a
+    ``lax.scan`` whose carry starts at `sums`: from zeros for a whole update
+    (`accumulate_microbatches`), from a checkpoint's partial sums for the rest of a window that
+    was stopped part-way (`jax_impl.resume`), with the additions in the same order either way.
+    No collective.
     """
 
     def scaled_loss(p: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array):
@@ -127,6 +132,22 @@ def accumulate_microbatches(
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, loss_acc + loss_sum), None
 
+    xs = (rank_batch.inputs, rank_batch.targets, token_weights)
+    (grads, loss_sum), _ = jax.lax.scan(micro_step, sums, xs)
+    return grads, loss_sum
+
+
+@jax.jit
+def accumulate_microbatches(
+    params: Params, rank_batch: Microbatch, token_weights: jax.Array, scale: jax.Array
+) -> tuple[Params, jax.Array]:
+    """sum over the M microbatches of grad((sum_t a_t l_t) * scale), and sum of sum_t a_t l_t.
+
+    `rank_batch` and `token_weights` are [M, B, T]; `scale` is s / D (precount) or 1 (postnorm),
+    in the denominator dtype like the loss sums it multiplies; the gradient is in the params'
+    dtype. jit-wrapped so that its trace is cached per shape and shared by the strategies of a sweep
+    (inside another jit, pmap or shard_map it is inlined, not a separate program).
+    """
     # Zeros shaped like the params but built from the data: under shard_map they then carry
     # the data's varying-manual-axes type, as the scan carry must (the gradient of a rank's
     # own microbatch varies across ranks), without this code having to name the axis.
@@ -134,9 +155,61 @@ def accumulate_microbatches(
         lambda p: jnp.zeros_like(token_weights, shape=p.shape, dtype=p.dtype), params
     )
     init = (zeros, jnp.zeros_like(token_weights, shape=(), dtype=denominator_dtype()))
-    xs = (rank_batch.inputs, rank_batch.targets, token_weights)
-    (grads, loss_sum), _ = jax.lax.scan(micro_step, init, xs)
-    return grads, loss_sum
+    return continue_accumulation(params, rank_batch, token_weights, scale, init)
+
+
+def reduce_denominator(
+    scheme: jax.Array | Scheme,
+    local_count: jax.Array,
+    local_weight_sum: ExactSum,
+    constant_normalizer: jax.Array | float,
+    axis_name: str,
+) -> jax.Array:
+    """D over every rank from this rank's d channels, before any forward pass (precount).
+
+    One collective: the int32 count and this rank's weight-sum pair in its own slot (the psum
+    adds zeros to it), then `jax_impl.schemes.global_denominator`.
+    """
+    total_count, weight_slots = jax.lax.psum(
+        (local_count, rank_slots(local_weight_sum, axis_name)), axis_name
+    )
+    return global_denominator(scheme, total_count, exact_sum(weight_slots), constant_normalizer)
+
+
+def reduce_precount(
+    grads: Params, local_loss_sum: jax.Array, collective: Collective, axis_name: str
+) -> tuple[Params, jax.Array]:
+    """precount's reduction of gradients already scaled by s / D: (pmean or psum of the
+    gradient, psum of the loss sums). The loss sums are for the metrics only: the objective's
+    value needs every rank's."""
+    if collective is Collective.PMEAN:
+        grads = jax.lax.pmean(grads, axis_name)
+    else:
+        grads = jax.lax.psum(grads, axis_name)
+    return grads, jax.lax.psum(local_loss_sum, axis_name)
+
+
+def reduce_postnorm(
+    grad_sums: Params,
+    local_loss_sum: jax.Array,
+    local_count: jax.Array,
+    local_weight_sum: ExactSum,
+    scheme: jax.Array | Scheme,
+    constant_normalizer: jax.Array | float,
+    axis_name: str,
+) -> tuple[Params, jax.Array, jax.Array]:
+    """postnorm's reduction of unnormalized sums: (g / D, the total loss sum, D).
+
+    One collective: gradient sums (params' dtype), loss sums, the int32 count and the
+    weight-sum slots together. D never travels in the gradients' dtype; g / D is formed in the
+    denominator dtype and rounded once into the params' dtype.
+    """
+    grad_sums, total_loss_sum, total_count, weight_slots = jax.lax.psum(
+        (grad_sums, local_loss_sum, local_count, rank_slots(local_weight_sum, axis_name)),
+        axis_name,
+    )
+    D = global_denominator(scheme, total_count, exact_sum(weight_slots), constant_normalizer)
+    return divide_by_denominator(grad_sums, safe_denominator(D)), total_loss_sum, D
 
 
 def rank_gradients(
@@ -164,23 +237,16 @@ def rank_gradients(
     local_valid = jnp.sum(rank_batch.targets != IGNORE_INDEX, dtype=jnp.int32)
 
     if strategy is Strategy.PRECOUNT:
-        # One collective for D over all R * M microbatches, before any forward pass: the int32
-        # count and this rank's weight-sum pair in its own slot (the psum adds zeros to it).
-        total_count, weight_slots = jax.lax.psum(
-            (local_count, rank_slots(local_weight_sum, axis_name)), axis_name
+        # D over all R * M microbatches first, from the labels alone.
+        D = reduce_denominator(
+            scheme, local_count, local_weight_sum, constant_normalizer, axis_name
         )
-        D = global_denominator(scheme, total_count, exact_sum(weight_slots), constant_normalizer)
         s = reduce_factor(collective, world_size) if scale_override is None else scale_override
         scale = jnp.asarray(s, dtype) / safe_denominator(D)
         grads, local_loss_sum = accumulate_microbatches(
             params, rank_batch, terms.token_weights, scale
         )
-        if collective is Collective.PMEAN:
-            grads = jax.lax.pmean(grads, axis_name)
-        else:
-            grads = jax.lax.psum(grads, axis_name)
-        # Metrics only: the objective's value needs every rank's loss sum.
-        total_loss_sum = jax.lax.psum(local_loss_sum, axis_name)
+        grads, total_loss_sum = reduce_precount(grads, local_loss_sum, collective, axis_name)
     elif strategy is Strategy.POSTNORM:
         if collective is not Collective.PSUM or scale_override is not None:
             raise ValueError(
@@ -192,15 +258,15 @@ def rank_gradients(
         grad_sums, local_loss_sum = accumulate_microbatches(
             params, rank_batch, terms.token_weights, one
         )
-        # One collective: gradient sums (params' dtype), loss sums, the int32 count and the
-        # weight-sum slots together. D never travels in the gradients' dtype.
-        grad_sums, total_loss_sum, total_count, weight_slots = jax.lax.psum(
-            (grad_sums, local_loss_sum, local_count, rank_slots(local_weight_sum, axis_name)),
+        grads, total_loss_sum, D = reduce_postnorm(
+            grad_sums,
+            local_loss_sum,
+            local_count,
+            local_weight_sum,
+            scheme,
+            constant_normalizer,
             axis_name,
         )
-        D = global_denominator(scheme, total_count, exact_sum(weight_slots), constant_normalizer)
-        # g / D formed in the denominator dtype, rounded once into the params' dtype.
-        grads = divide_by_denominator(grad_sums, safe_denominator(D))
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
 

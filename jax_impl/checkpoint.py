@@ -1,6 +1,6 @@
 """Atomic orbax checkpoints of a training run, between updates or inside an accumulation window.
 
-A checkpoint holds the train state of `jax_impl.resume` (params, optax state, the number of
+A checkpoint holds the train state of `jax_impl.train_state` (params, optax state, the number of
 complete updates and, for a stop inside a window, the per-rank partial sums) as one orbax
 composite item: ``state`` (arrays, written by orbax's StandardCheckpointHandler) and ``meta``
 (JSON: scheme, strategy, layout, dtype, a fingerprint of the global batch, progress).

@@ -55,16 +55,26 @@ def loss_dtype(dtype: jnp.dtype | type) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def check_weights_dtype(dtype: jnp.dtype | type | str) -> None:
-    """Raise ValueError when soft weights of `dtype` are a float narrower than float32."""
+def refuse_narrow_float(dtype: jnp.dtype | type | str, message: str) -> jnp.dtype:
+    """`dtype` as a ``jnp.dtype``; ValueError(`message`) when it is a float narrower than
+    float32 (bfloat16, float16), whose few significant bits would round a denominator.
+
+    `message` is formatted with ``{dtype}`` and ``{bits}``, the dtype's significant bits.
+    """
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-        raise ValueError(
-            f"soft weights arrived as {dtype}: each w_t is already rounded to "
-            f"{jnp.finfo(dtype).nmant + 1} significant bits, and so would be the weighted "
-            "mean's denominator sum w_t. Lay the batch out with weights_dtype=float32 (or "
-            "float64), whatever the params' dtype."
-        )
+        raise ValueError(message.format(dtype=dtype, bits=jnp.finfo(dtype).nmant + 1))
+    return dtype
+
+
+def check_weights_dtype(dtype: jnp.dtype | type | str) -> None:
+    """Raise ValueError when soft weights of `dtype` are a float narrower than float32."""
+    refuse_narrow_float(
+        dtype,
+        "soft weights arrived as {dtype}: each w_t is already rounded to {bits} significant "
+        "bits, and so would be the weighted mean's denominator sum w_t. Lay the batch out with "
+        "weights_dtype=float32 (or float64), whatever the params' dtype.",
+    )
 
 
 def weights_for_denominator(weights: jax.Array) -> jax.Array:

@@ -27,7 +27,6 @@ from jax.sharding import AxisType, Mesh
 
 from jax_impl.accumulate import Collective, Strategy
 from jax_impl.denominators import denominator_dtype, divide_by_denominator, exact_sum
-from jax_impl.devices import check_rank_axis
 from jax_impl.losses import Microbatch, token_losses
 from jax_impl.model import Params, logits_fn
 from jax_impl.schemes import (
@@ -37,19 +36,15 @@ from jax_impl.schemes import (
     safe_denominator,
     scheme_terms,
 )
-from jax_impl.shard_map_step import replicate, shard_batch
+from jax_impl.shard_map_step import mesh_sweep, mesh_update
 from jax_impl.update import (
     GradientsFn,
     ReducedGradients,
     StepConfig,
     SweepFn,
     UpdateFn,
-    UpdateResult,
     check_sweep,
-    check_sweep_params,
-    scheme_index,
     single_config,
-    with_optimizer,
 )
 
 
@@ -130,8 +125,6 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
                 f"reduce_factor={config.reduce_factor!r}, gradients={config.gradients!r}"
             )
     (axis,) = mesh.axis_names
-    world_size = mesh.shape[axis]
-    mesh = auto_mesh(mesh)
     strategies = [config.strategy for config in configs]
 
     def all_strategies(params, batch, scheme, constant_normalizer):
@@ -142,22 +135,7 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
 
     jitted = jax.jit(all_strategies)
 
-    def sweep(
-        params: Sequence[Params],
-        batch: Microbatch,
-        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
-        constant_normalizer: float = 0.0,
-    ) -> tuple[ReducedGradients, ...]:
-        if not isinstance(batch.targets, jax.Array):
-            check_rank_axis(batch, world_size, "global-view jit gradients")
-            batch = shard_batch(batch, mesh, axis)
-        params = check_sweep_params(params, len(configs))
-        # C in the denominator dtype: a bfloat16 C of 1001 would be 1000.
-        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
-        scalars = replicate((scheme_index(scheme), normalizer), mesh)
-        return jitted(replicate(params, mesh), batch, *scalars)
-
-    return sweep
+    return mesh_sweep(jitted, len(configs), auto_mesh(mesh), axis, "global-view jit gradients")
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:
@@ -177,12 +155,4 @@ def make_global_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:
 
 def make_global_update(config: StepConfig, mesh: Mesh) -> UpdateFn:
     """update(params, opt_state, batch [R, M, B, T], scheme, constant_normalizer=0.0)."""
-    gradients = make_global_gradients(config, mesh)
-    update = with_optimizer(gradients, config)
-    replicated_mesh = auto_mesh(mesh)
-
-    def replicated_update(params, opt_state, batch, *args, **kwargs) -> UpdateResult:
-        params, opt_state = replicate((params, opt_state), replicated_mesh)
-        return update(params, opt_state, batch, *args, **kwargs)
-
-    return replicated_update
+    return mesh_update(make_global_gradients(config, mesh), config, auto_mesh(mesh))

@@ -11,13 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
-from jax_impl.denominators import denominator_dtype
 from jax_impl.devices import check_rank_axis, require_devices
 from jax_impl.losses import Microbatch
-from jax_impl.model import Params
-from jax_impl.schemes import Scheme
 from jax_impl.update import (
     GradientsFn,
     ReducedGradients,
@@ -25,9 +21,8 @@ from jax_impl.update import (
     SweepFn,
     UpdateFn,
     check_sweep,
-    check_sweep_params,
-    scheme_index,
     single_config,
+    sweep_from,
     with_optimizer,
 )
 
@@ -59,17 +54,11 @@ def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
 
     mapped = jax.pmap(per_rank, axis_name=axis, in_axes=(None, 0, None, None), devices=devices)
 
-    def sweep(
-        params: Sequence[Params],
-        batch: Microbatch,
-        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
-        constant_normalizer: float = 0.0,
-    ) -> tuple[ReducedGradients, ...]:
+    def place(batch: Microbatch) -> Microbatch:
         check_rank_axis(batch, world_size, "pmap gradients")
-        params = check_sweep_params(params, len(configs))
-        # C in the denominator dtype, like D (jax_impl.denominators), not the params' dtype.
-        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
-        outs = mapped(params, batch, scheme_index(scheme), normalizer)
+        return batch
+
+    def program(params, batch, scheme, normalizer) -> tuple[ReducedGradients, ...]:
         return tuple(
             ReducedGradients(
                 grads=jax.tree.map(_on_rank0, out.grads),
@@ -78,10 +67,10 @@ def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
                 global_denominator=_on_rank0(out.global_denominator),
                 loss=_on_rank0(out.loss),
             )
-            for out in outs
+            for out in mapped(params, batch, scheme, normalizer)
         )
 
-    return sweep
+    return sweep_from(program, len(configs), place)
 
 
 def make_pmap_gradients(config: StepConfig, world_size: int) -> GradientsFn:

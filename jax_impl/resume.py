@@ -30,21 +30,30 @@ Why pmap rather than shard_map: the partial sums are per-rank, unreduced values,
 outputs are naturally stacked [R, ...] arrays that go to and come back from a checkpoint as
 plain numpy without a mesh; params and optimizer state are replicated (taken from rank 0), so
 a checkpoint taken between updates resumes at any other world size.
+
+The state a run resumes from (`TrainState`, with its `PartialWindow`) and the arrays a checkpoint
+stores of it are in `jax_impl.train_state`; `save_train_state` and `restore_train_state` write
+and read them through `jax_impl.checkpoint`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jax_impl.accumulate import Collective, Strategy, reduce_factor
+from jax_impl.accumulate import (
+    Strategy,
+    continue_accumulation,
+    reduce_denominator,
+    reduce_factor,
+    reduce_postnorm,
+    reduce_precount,
+)
 from jax_impl.checkpoint import (
     CheckpointError,
     CheckpointMeta,
@@ -52,42 +61,13 @@ from jax_impl.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from jax_impl.denominators import (
-    ExactSum,
-    add_exact,
-    denominator_dtype,
-    divide_by_denominator,
-    exact_sum,
-    rank_slots,
-)
+from jax_impl.denominators import ExactSum, add_exact, denominator_dtype, exact_sum
 from jax_impl.devices import check_rank_axis, require_devices
-from jax_impl.losses import Microbatch, weighted_loss_sum
+from jax_impl.losses import Microbatch
 from jax_impl.model import Params
-from jax_impl.schemes import Scheme, global_denominator, safe_denominator, scheme_terms
+from jax_impl.schemes import Scheme, safe_denominator, scheme_terms
+from jax_impl.train_state import PartialWindow, TrainState, state_arrays, state_from_arrays
 from jax_impl.update import ReducedGradients, StepConfig, apply_optimizer, scheme_index
-
-
-class PartialWindow(NamedTuple):
-    """Per-rank sums over the first `done` microbatches of a window; array leaves are [R, ...].
-
-    Nothing here has been through a collective: each rank's row is its own.
-    """
-
-    done: int  # microbatches of the window accumulated, 0 < done < M
-    grad_sums: Params  # [R, ...]: sum over m < done of grad((sum_t a_t l_t) * c)
-    loss_sums: jax.Array  # [R]: sum over m < done of sum_t a_t l_t
-    counts: jax.Array  # [R] int32: d (count channel) of m < done
-    weight_sums: ExactSum  # [R] pairs: d (weight channel) of m < done
-    denominator: jax.Array  # precount's D of the whole window (postnorm: 0, not known yet)
-
-
-class TrainState(NamedTuple):
-    """Everything a resumed run needs: replicated params and optax state, and progress."""
-
-    params: Params
-    opt_state: optax.OptState
-    updates_done: int
-    partial: PartialWindow | None = None
 
 
 class _Sums(NamedTuple):
@@ -98,34 +78,20 @@ class _Sums(NamedTuple):
 
 
 def _window_denominator(window: Microbatch, scheme, normalizer, *, axis_name: str):
-    """D of the whole window from labels only: one psum of the two d channels (the weight
-    sum as this rank's pair in its own slot, so that the psum adds only zeros to it)."""
+    """D of the whole window from labels only (`jax_impl.accumulate.reduce_denominator`)."""
     terms = scheme_terms(scheme, window.targets, window.segment_ids, window.weights)
-    local = (
-        jnp.sum(terms.count, dtype=jnp.int32),
-        rank_slots(exact_sum(terms.weight_sum), axis_name),
+    local_count = jnp.sum(terms.count, dtype=jnp.int32)
+    return reduce_denominator(
+        scheme, local_count, exact_sum(terms.weight_sum), normalizer, axis_name
     )
-    total_count, weight_slots = jax.lax.psum(local, axis_name)
-    return global_denominator(scheme, total_count, exact_sum(weight_slots), normalizer)
 
 
 def _accumulate(params: Params, part: Microbatch, sums: _Sums, scale, scheme) -> _Sums:
     """Continue one rank's sums over the microbatches of `part` [k, B, T]; no collective."""
     terms = scheme_terms(scheme, part.targets, part.segment_ids, part.weights)
-
-    def scaled_loss(p, inputs, targets, a):
-        loss_sum = weighted_loss_sum(p, inputs, targets, a)
-        return loss_sum * scale, loss_sum
-
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
-
-    def micro_step(carry, xs):
-        grads_acc, loss_acc = carry
-        grads, loss_sum = grad_fn(params, *xs)
-        return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss_sum), None
-
-    xs = (part.inputs, part.targets, terms.token_weights)
-    (grads, loss), _ = jax.lax.scan(micro_step, (sums.grad_sums, sums.loss_sums), xs)
+    grads, loss = continue_accumulation(
+        params, part, terms.token_weights, scale, (sums.grad_sums, sums.loss_sums)
+    )
     return _Sums(
         grads,
         loss,
@@ -135,18 +101,12 @@ def _accumulate(params: Params, part: Microbatch, sums: _Sums, scale, scheme) ->
 
 
 def _finish(sums: _Sums, D, scheme, normalizer, *, axis_name: str, strategy, collective):
-    """The collective and the normalization of a completed window, on one rank."""
+    """The collective and the normalization of a completed window, on one rank: the same
+    reductions as an uninterrupted update (`jax_impl.accumulate.rank_gradients`)."""
     if strategy is Strategy.PRECOUNT:
-        reduce = jax.lax.pmean if collective is Collective.PMEAN else jax.lax.psum
-        grads = reduce(sums.grad_sums, axis_name)
-        total_loss = jax.lax.psum(sums.loss_sums, axis_name)  # metrics only
+        grads, total_loss = reduce_precount(sums.grad_sums, sums.loss_sums, collective, axis_name)
     else:
-        slots = rank_slots(sums.weight_sums, axis_name)
-        grad_sums, total_loss, count, weight_slots = jax.lax.psum(
-            (sums.grad_sums, sums.loss_sums, sums.counts, slots), axis_name
-        )
-        D = global_denominator(scheme, count, exact_sum(weight_slots), normalizer)
-        grads = divide_by_denominator(grad_sums, safe_denominator(D))
+        grads, total_loss, D = reduce_postnorm(*sums, scheme, normalizer, axis_name)
     return grads, D, total_loss / safe_denominator(D)
 
 
@@ -270,52 +230,6 @@ class ResumableLoop:
         )
         out = apply_optimizer(reduced, params, state.opt_state, config)
         return TrainState(out.params, out.opt_state, state.updates_done + 1, None)
-
-
-def state_arrays(state: TrainState) -> dict[str, Any]:
-    """The array part of a state as a tree of numpy arrays (what a checkpoint stores)."""
-    leaves = jax.tree.leaves(state.opt_state)
-    arrays: dict[str, Any] = {
-        "params": {k: np.asarray(v) for k, v in state.params.items()},
-        "opt_state": {f"leaf_{i:03d}": np.asarray(x) for i, x in enumerate(leaves)},
-    }
-    if state.partial is not None:
-        p = state.partial
-        arrays["partial"] = {
-            "grad_sums": {k: np.asarray(v) for k, v in p.grad_sums.items()},
-            "loss_sums": np.asarray(p.loss_sums),
-            "counts": np.asarray(p.counts),
-            "weight_sums": {"hi": np.asarray(p.weight_sums.hi), "lo": np.asarray(p.weight_sums.lo)},
-            "denominator": np.asarray(p.denominator),
-        }
-    return arrays
-
-
-def state_from_arrays(
-    arrays: Mapping[str, Any], template: TrainState, updates_done: int, microbatches_done: int
-) -> TrainState:
-    """Inverse of `state_arrays`: `template` (a state of this run) gives the optax tree."""
-    treedef = jax.tree.structure(template.opt_state)
-    opt_leaves = [arrays["opt_state"][f"leaf_{i:03d}"] for i in range(treedef.num_leaves)]
-    device = jax.tree.leaves(template.params)[0].devices().pop()
-    as_device = functools.partial(jax.device_put, device=device)
-    partial = None
-    if microbatches_done:
-        p = arrays["partial"]
-        partial = PartialWindow(
-            microbatches_done,
-            dict(p["grad_sums"]),
-            p["loss_sums"],
-            p["counts"],
-            ExactSum(p["weight_sums"]["hi"], p["weight_sums"]["lo"]),
-            p["denominator"],
-        )
-    return TrainState(
-        params={k: as_device(v) for k, v in arrays["params"].items()},
-        opt_state=jax.tree.unflatten(treedef, [as_device(x) for x in opt_leaves]),
-        updates_done=updates_done,
-        partial=partial,
-    )
 
 
 def save_train_state(

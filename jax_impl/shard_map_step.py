@@ -10,21 +10,18 @@ placement of inputs differs (each process supplies its own rank's block).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.denominators import denominator_dtype
 from jax_impl.devices import check_rank_axis, require_devices
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params
-from jax_impl.schemes import Scheme
 from jax_impl.update import (
     GradientsFn,
     ReducedGradients,
@@ -33,9 +30,8 @@ from jax_impl.update import (
     UpdateFn,
     UpdateResult,
     check_sweep,
-    check_sweep_params,
-    scheme_index,
     single_config,
+    sweep_from,
     with_optimizer,
 )
 
@@ -81,6 +77,46 @@ def shard_batch(batch: Microbatch, mesh: Mesh, axis_name: str = "data") -> Micro
     return Microbatch(*(place(x) for x in batch))
 
 
+def rank_varying(params: Params, axis_name: str) -> Params:
+    """The replicated params as this rank's own copy, inside a shard_map over `axis_name`.
+
+    Under shard_map (check_vma) the params are axis-invariant, and autodiff transposes the
+    implicit invariant -> varying cast into a psum: jax.grad would already return the sum over
+    ranks, and the step's own collective would count every rank R times (R x the gradient; the
+    double-reduce pattern of Megatron-LM#7481). Cast to varying, jax.grad returns this rank's
+    own contribution, as under pmap or DDP, and the step's collective is the only reduction.
+    """
+    return jax.lax.pcast(params, (axis_name,), to="varying")
+
+
+def mesh_sweep(
+    program: Callable[..., tuple[ReducedGradients, ...]],
+    num_configs: int,
+    mesh: Mesh,
+    axis_name: str,
+    what: str,
+) -> SweepFn:
+    """The sweep (`jax_impl.update.sweep_from`) of a jitted `program` over `mesh`.
+
+    A numpy batch is checked (`what` names the front-end in the error) and placed with
+    `shard_batch`; an already placed one (e.g. a multi-process global array) passes through.
+    Params, the scheme index and C are replicated over the mesh before the program runs.
+    """
+    world_size = mesh.shape[axis_name]
+
+    def place(batch: Microbatch) -> Microbatch:
+        if not isinstance(batch.targets, jax.Array):
+            check_rank_axis(batch, world_size, what)
+            batch = shard_batch(batch, mesh, axis_name)
+        return batch
+
+    def replicated(params, batch, scheme, normalizer) -> tuple[ReducedGradients, ...]:
+        scalars = replicate((scheme, normalizer), mesh)
+        return program(replicate(params, mesh), batch, *scalars)
+
+    return sweep_from(replicated, num_configs, place)
+
+
 def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
     """sweep(params per config, batch, scheme, normalizer) -> one ReducedGradients per config.
 
@@ -94,18 +130,11 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
     axis = configs[0].axis_name
     if axis not in mesh.axis_names:
         raise ValueError(f"shard_map update: axis {axis!r} is not in mesh axes {mesh.axis_names}")
-    world_size = mesh.shape[axis]
     per_rank_fns = [config.rank_gradients_fn() for config in configs]
 
     def per_rank(params, batch, scheme, constant_normalizer):
         rank_batch = jax.tree.map(lambda x: x[0], batch)  # [1, M, B, T] -> [M, B, T]
-        # Under shard_map (check_vma) the params are axis-invariant, and autodiff transposes
-        # the implicit invariant -> varying cast into a psum: jax.grad would already return the
-        # sum over ranks, and the step's own collective would count every rank R times (R x
-        # the gradient; the double-reduce pattern of Megatron-LM#7481). Casting the params to
-        # varying makes jax.grad return this rank's own contribution, as under pmap or DDP,
-        # and leaves the step's collective the only reduction.
-        local_params = jax.lax.pcast(params, (axis,), to="varying")
+        local_params = rank_varying(params, axis)
         outs = (
             fn(p, rank_batch, scheme, constant_normalizer, axis)
             for fn, p in zip(per_rank_fns, local_params, strict=True)
@@ -131,22 +160,7 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
         )
     )
 
-    def sweep(
-        params: Sequence[Params],
-        batch: Microbatch,
-        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
-        constant_normalizer: float = 0.0,
-    ) -> tuple[ReducedGradients, ...]:
-        if not isinstance(batch.targets, jax.Array):
-            check_rank_axis(batch, world_size, "shard_map gradients")
-            batch = shard_batch(batch, mesh, axis)
-        params = check_sweep_params(params, len(configs))
-        # C in the denominator dtype, like D (jax_impl.denominators), not the params' dtype.
-        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
-        scalars = replicate((scheme_index(scheme), normalizer), mesh)
-        return mapped(replicate(params, mesh), batch, *scalars)
-
-    return sweep
+    return mesh_sweep(mapped, len(configs), mesh, axis, "shard_map gradients")
 
 
 def make_shard_map_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:
@@ -160,7 +174,12 @@ def make_shard_map_update(config: StepConfig, mesh: Mesh) -> UpdateFn:
     Params and optimizer state are replicated over the mesh before the first update (pass
     them through `replicate` yourself to avoid the copy on later ones).
     """
-    gradients = make_shard_map_gradients(config, mesh)
+    return mesh_update(make_shard_map_gradients(config, mesh), config, mesh)
+
+
+def mesh_update(gradients: GradientsFn, config: StepConfig, mesh: Mesh) -> UpdateFn:
+    """`jax_impl.update.with_optimizer` with params and optimizer state replicated over `mesh`
+    before every update (a no-op for state that already is)."""
     update = with_optimizer(gradients, config)
 
     def replicated_update(params, opt_state, batch, *args, **kwargs) -> UpdateResult:

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jax_impl.denominators import refuse_narrow_float
+
 
 class TokenWeightedState(NamedTuple):
     """Micro-step counter, running sums of gradients and d, and the wrapped optimizer's state."""
@@ -69,13 +71,12 @@ def token_weighted_accumulation(
             f"token_weighted_accumulation: accum_steps must be >= 1, got {accum_steps}"
         )
     inner = optax.with_extra_args_support(inner)
-    denominator_dtype = jnp.dtype(denominator_dtype)
-    if jnp.issubdtype(denominator_dtype, jnp.floating) and jnp.finfo(denominator_dtype).bits < 32:
-        raise ValueError(
-            f"token_weighted_accumulation: denominator_dtype={denominator_dtype} keeps "
-            f"{jnp.finfo(denominator_dtype).nmant + 1} significant bits, so D would be rounded "
-            "before the division; use int32 for counts, float32 or float64 for weight sums"
-        )
+    denominator_dtype = refuse_narrow_float(
+        denominator_dtype,
+        "token_weighted_accumulation: denominator_dtype={dtype} keeps {bits} significant bits, "
+        "so D would be rounded before the division; use int32 for counts, float32 or float64 "
+        "for weight sums",
+    )
     # The dtype g / D is formed in: at least float32, wider if D is (float64).
     quotient_floor = jnp.promote_types(
         jnp.float32,

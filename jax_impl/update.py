@@ -34,6 +34,7 @@ from jax_impl.accumulate import (
     microbatch_finiteness,
     rank_gradients,
 )
+from jax_impl.denominators import denominator_dtype
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params
 from jax_impl.schemes import Scheme
@@ -174,6 +175,34 @@ def check_sweep_params(params: Sequence[Params], num_configs: int) -> tuple[Para
         got = "one params dict" if isinstance(params, dict) else f"{len(params)} params trees"
         raise ValueError(f"a sweep of {num_configs} configs takes one params per config, got {got}")
     return tuple(params)
+
+
+def sweep_from(
+    program: Callable[..., tuple[ReducedGradients, ...]],
+    num_configs: int,
+    place_batch: Callable[[Microbatch], Microbatch],
+) -> SweepFn:
+    """The sweep a front-end hands out: sweep(params per config, batch, scheme, normalizer).
+
+    `place_batch` checks the [R, M, B, T] batch and puts it where the front-end's program wants
+    it; the params must be one tree per config; the scheme becomes the int32 index the program
+    takes (traced: one compile serves every scheme) and the constant normalizer C goes in the
+    denominator dtype, like D (`jax_impl.denominators`), not the params' dtype: a bfloat16 C of
+    1001 would be 1000. Then ``program(params, batch, scheme index, C)`` computes every config.
+    """
+
+    def sweep(
+        params: Sequence[Params],
+        batch: Microbatch,
+        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
+        constant_normalizer: float = 0.0,
+    ) -> tuple[ReducedGradients, ...]:
+        batch = place_batch(batch)
+        params = check_sweep_params(params, num_configs)
+        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
+        return program(params, batch, scheme_index(scheme), normalizer)
+
+    return sweep
 
 
 def apply_optimizer(

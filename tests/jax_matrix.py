@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pickle
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from child_env import ROOT, jax_env
 
 import jax_impl
 from crosscheck import (
@@ -44,9 +44,9 @@ from crosscheck import (
 )
 from crosscheck.contract.optimizers import UpdateRecord
 from crosscheck.judge.compare import leaf_rel_err
+from crosscheck.run.jax_worker import placed_sweep
 from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS, run_workers
 
-ROOT = Path(__file__).resolve().parents[1]
 RTOL = {
     "float32": FLOAT32_RTOL,
     "float64": FLOAT64_RTOL,
@@ -197,25 +197,9 @@ def to_numpy(out: jax_impl.UpdateResult) -> dict[str, Any]:
 
 
 def build_sweep(front_end: str, configs: list, world_size: int) -> tuple[Callable, Callable]:
-    """The front-end's sweep of `configs`, and how to place (batch, params) for it once.
-
-    Params are placed where every update leaves them (committed to device 0 for pmap,
-    replicated over the mesh otherwise), so that the first and later calls share one
-    compiled program: jit and pmap key their caches on where inputs live, not only on shapes.
-    """
-    import jax
-
-    if front_end == "pmap":
-        device = jax_impl.require_devices(world_size)[0]
-        sweep = jax_impl.make_pmap_sweep(configs, world_size)
-        return sweep, lambda batch, params: (batch, jax.device_put(params, device))
-    mesh = jax_impl.data_mesh(world_size)
-    make = jax_impl.make_shard_map_sweep if front_end == "shard_map" else jax_impl.make_global_sweep
-    place = lambda batch, params: (  # noqa: E731
-        jax_impl.shard_batch(batch, mesh),
-        jax_impl.replicate(params, mesh),
-    )
-    return make(configs, mesh), place
+    """The front-end's sweep of `configs`, and how to place (batch, params) for it once: the
+    matrix worker's own (`crosscheck.run.jax_worker.placed_sweep`)."""
+    return placed_sweep(f"jax-{front_end}", configs, world_size)
 
 
 def run_updates(
@@ -304,14 +288,6 @@ def run_in_process(front_end: str, dtype: str, table: OracleTable | None = None)
     return records
 
 
-def runner_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = RUNNER_XLA_FLAGS
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def run_front_ends(
     front_ends: Sequence[str], work_dir: Path, oracle_path: Path, timeout_s: float
 ) -> dict[str, list[dict]]:
@@ -327,8 +303,26 @@ def run_front_ends(
          "--oracle", str(oracle_path), "--out", str(work_dir / f"{dtype}.json")]
         for dtype in DTYPES
     ]  # fmt: skip
-    run_workers(commands, timeout_s=timeout_s, log_dir=work_dir, env=runner_env(), cwd=ROOT)
+    run_workers(
+        commands, timeout_s=timeout_s, log_dir=work_dir, env=jax_env(RUNNER_XLA_FLAGS), cwd=ROOT
+    )
     return {dtype: json.loads((work_dir / f"{dtype}.json").read_text()) for dtype in DTYPES}
+
+
+def smallest_multiprocess_spec(directory: Path, **extra: object) -> dict:
+    """The smallest job of jax.distributed processes (jax_impl.harness.multiprocess): one SGD
+    update of `packed` (saved under `directory`), token_mean, precount with psum, float32,
+    M = 1; `extra` adds or replaces keys."""
+    fixture = builtin_fixture("packed").save(directory / "packed.npz")
+    return {
+        "optimizer": {"name": "sgd", "learning_rate": 0.1},
+        "num_updates": 1,
+        "variants": [["precount", "psum"]],
+        "schemes": ["token_mean"],
+        "dtypes": ["float32"],
+        "cases": [{"fixture": str(fixture), "accum_steps": 1}],
+        **extra,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,6 +29,8 @@ LAYERS = (
     "verification",
     "cli",
 )
+#: Above every layer: the public API, `python -m crosscheck` and the pytest plugin.
+ENTRY_POINTS = ("__init__", "__main__", "pytest_plugin")
 #: A package file longer than this must say why in its docstring, after "Why one file:".
 MAX_LINES = 350
 LONG_FILE_REASON = "Why one file:"
@@ -72,7 +74,7 @@ def _files(package: str) -> list[Path]:
 def test_every_crosscheck_subpackage_is_a_known_layer():
     subpackages = {p.name for p in (ROOT / "crosscheck").iterdir() if (p / "__init__.py").exists()}
     modules = {p.stem for p in (ROOT / "crosscheck").glob("*.py")}
-    assert subpackages | (modules - {"__init__", "__main__"}) <= set(LAYERS), sorted(
+    assert subpackages | (modules - set(ENTRY_POINTS)) <= set(LAYERS), sorted(
         (subpackages | modules) - set(LAYERS)
     )
 
@@ -81,8 +83,8 @@ def test_the_layers_of_crosscheck_import_one_way():
     upward = []
     for path in _files("crosscheck"):
         mine = path.relative_to(ROOT / "crosscheck").with_suffix("").parts[0]
-        if mine in ("__init__", "__main__"):
-            continue  # the public API and the entry point sit above every layer
+        if mine in ENTRY_POINTS:
+            continue  # the public API and the entry points sit above every layer
         for line, module in _runtime_imports(path):
             parts = module.split(".")
             if parts[0] != "crosscheck":

@@ -13,7 +13,7 @@ before any other collective, naming every rank's count, instead of deadlocking.
 
 jax_impl's multi-process worker cannot be handed different microbatch counts per process:
 every process reads the same spec (one ``accum_steps`` per case) and lays out the same global
-batch file, then takes its own rank's rows (`jax_impl.harness.multiprocess.run_spec`).
+batch file, then takes its own rank's rows (`jax_impl.harness.multiprocess_worker.run_spec`).
 """
 
 from __future__ import annotations

@@ -7,19 +7,16 @@ import subprocess
 import sys
 
 import numpy as np
+from json_keys import RESULT_KEYS
 
 from crosscheck.cli.commands import main
 
-RESULT_KEYS = {
-    "fixture",
-    "scheme",
-    "impl",
-    "strategy",
-    "world_size",
-    "accum_steps",
-    "max_rel_err",
-    "ok",
-}
+
+def run_crosscheck(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m crosscheck ARGV` in a fresh process, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "crosscheck", *argv], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_main_leaves_the_callers_numpy_error_state_alone(tmp_path):
@@ -30,12 +27,7 @@ def test_main_leaves_the_callers_numpy_error_state_alone(tmp_path):
 
 def test_oracle_run_writes_the_documented_json_and_exits_zero(tmp_path):
     out = tmp_path / "out.json"
-    completed = subprocess.run(
-        [sys.executable, "-m", "crosscheck", "run", "--impls", "oracle", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = run_crosscheck("run", "--impls", "oracle", "--json", str(out), timeout=120)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "9.0x" in completed.stdout
     payload = json.loads(out.read_text())
@@ -94,23 +86,13 @@ def test_run_filters_fixtures_schemes_and_layouts(tmp_path):
 
 
 def test_run_refuses_an_unknown_scheme_with_the_known_ones():
-    completed = subprocess.run(
-        [sys.executable, "-m", "crosscheck", "run", "--schemes", "mean"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    completed = run_crosscheck("run", "--schemes", "mean", timeout=60)
     assert completed.returncode != 0
     assert "unknown scheme 'mean'" in completed.stderr + completed.stdout
 
 
 def test_run_refuses_an_unknown_implementation():
-    completed = subprocess.run(
-        [sys.executable, "-m", "crosscheck", "run", "--impls", "jax-xla"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    completed = run_crosscheck("run", "--impls", "jax-xla", timeout=60)
     assert completed.returncode == 2
     assert "unknown implementation 'jax-xla'" in completed.stdout
 

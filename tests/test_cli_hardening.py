@@ -21,10 +21,13 @@ import tempfile
 import time
 import tomllib
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
+from case_fields import case_fields
 from rich.console import Console
 
 from crosscheck import exit_codes
@@ -175,14 +178,8 @@ def test_bugs_exit_3_only_when_every_failure_is_a_step_that_did_not_run():
 
 def _row(ok: bool, not_run: bool = False) -> CaseResult:
     return CaseResult(
+        **case_fields(accum_steps=1),
         check="vs-oracle",
-        fixture="packed",
-        scheme="token_mean",
-        impl="torch-ddp",
-        strategy="precount",
-        world_size=2,
-        accum_steps=1,
-        dtype="float64",
         max_rel_err=0.0 if ok else math.inf,
         ok=ok,
         reference="oracle",
@@ -220,8 +217,9 @@ def test_a_run_whose_implementation_times_out_exits_3_and_says_so(capsys, monkey
     assert "LaunchTimeoutError" in failing[0]["detail"]
     assert all(r["impl"] == "oracle" for r in rows if r["ok"])
     assert any(line.startswith("NOT RUN vs-oracle torch-ddp packed/token_mean") for line in lines)
-    summary = next(line for line in lines if " rows, " in line)
-    assert "1 failed, 1 of them could not be run" in summary and "FAILED" in summary
+    summary = next(line for line in lines if " failed" in line)
+    assert summary.startswith("1 row, 1 failed, 1 of them could not be run (0 rows of accidental")
+    assert "FAILED" in summary
 
 
 # ---- set-up errors: one line, exit 2, before any work ----------------------------------------
@@ -525,47 +523,43 @@ def test_an_interrupted_export_leaves_the_old_manifest_and_no_temporary_file(tmp
 # ---- interrupts: one line, exit 130, nothing left running ------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("framework", "step", "cwd", "signum"),
-    [
-        # Each rank starts a child, then hangs: SIGTERM must take the ranks and the children.
-        ("torch", "verify_steps:cli_signal_child_then_hang", TESTS, signal.SIGTERM),
-        ("jax", "tests.jax_verify_steps:hangs_on_ragged", ROOT, signal.SIGINT),
-    ],
-)
-def test_an_interrupted_verify_stops_every_process_and_says_so_in_one_line(
-    framework, step, cwd, signum
-):
+class _Interrupted(NamedTuple):
+    """A CLI run stopped by a signal: what ran when it came, and how the CLI ended."""
+
+    running: list[tuple[int, str]]  # the marked processes when the signal was sent
+    took: float  # seconds from the signal to the CLI's exit
+    returncode: int
+    out: str
+    err: str
+    left: list[tuple[int, str]]  # the marked processes still running after the exit
+
+
+def _interrupt_cli(
+    argv: list[str],
+    cwd: Path,
+    signum: int,
+    ready: Callable[[subprocess.Popen, str], bool],
+    settle_s: float = 0.0,
+) -> _Interrupted:
+    """`python -m crosscheck ARGV` with a unique marker in its environment, sent `signum` once
+    `ready(process, marker)` holds (within 120 s) and `settle_s` more have passed. Whatever
+    still runs afterwards is killed, after it was recorded."""
     marker = uuid.uuid4().hex
-    env = {**os.environ, MARKER: marker}
     proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "crosscheck", "verify", "--framework", framework),
-            *("--step", step, "--scheme", "token_mean", "--fixtures", "ragged"),
-            *("--world-sizes", "2", "--accum", "1", "--timeout", "120"),
-        ],
+        [sys.executable, "-m", "crosscheck", *argv],
         cwd=cwd,
-        env=env,
+        env={**os.environ, MARKER: marker},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         deadline = time.monotonic() + 120
-
-        # torch: the ranks' children have started (the step is in its hang); JAX: the worker
-        # (or the zygote it comes from) has, then it is given time to reach the hanging job.
-        def started() -> bool:
-            if framework == "torch":
-                return any("gradweight-cli-hang-child" in c for _, c in _marked(marker))
-            return any(pid != proc.pid for pid, _ in _marked(marker))
-
-        while not started():
+        while not ready(proc, marker):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, _marked(marker)
             time.sleep(0.1)
-        if framework == "jax":
-            time.sleep(1.5)
+        time.sleep(settle_s)
         running = _marked(marker)
         sent = time.monotonic()
         proc.send_signal(signum)
@@ -581,62 +575,63 @@ def test_an_interrupted_verify_stops_every_process_and_says_so_in_one_line(
             proc.kill()
             proc.communicate()
         _kill_marked(marker)
-    assert len(running) >= 2, running  # the CLI and what it started
-    assert took < 5.0, took
-    assert proc.returncode == exit_codes.INTERRUPTED, out + err
+    return _Interrupted(running, took, proc.returncode, out, err, left)
+
+
+def _assert_stopped_in_one_line(result: _Interrupted, signum: int) -> None:
+    """Within 5 s, exit 130 and one line on stderr, and nothing marked left running."""
+    assert result.took < 5.0, result.took
+    assert result.returncode == exit_codes.INTERRUPTED, result.out + result.err
     name = signal.Signals(signum).name
     assert re.fullmatch(
         rf"crosscheck: interrupted by {name}; (stopped \d+ process(es)? it had started|no "
         r"process it started is left running)\n",
-        err,
-    ), err
-    assert "Traceback" not in out
-    assert left == [], left
+        result.err,
+    ), result.err
+    assert result.left == [], result.left
+
+
+@pytest.mark.parametrize(
+    ("framework", "step", "cwd", "signum"),
+    [
+        # Each rank starts a child, then hangs: SIGTERM must take the ranks and the children.
+        ("torch", "verify_steps:cli_signal_child_then_hang", TESTS, signal.SIGTERM),
+        ("jax", "tests.jax_verify_steps:hangs_on_ragged", ROOT, signal.SIGINT),
+    ],
+)
+def test_an_interrupted_verify_stops_every_process_and_says_so_in_one_line(
+    framework, step, cwd, signum
+):
+    # torch: the ranks' children have started (the step is in its hang); JAX: the worker
+    # (or the zygote it comes from) has, then it is given time to reach the hanging job.
+    def started(proc: subprocess.Popen, marker: str) -> bool:
+        if framework == "torch":
+            return any("gradweight-cli-hang-child" in c for _, c in _marked(marker))
+        return any(pid != proc.pid for pid, _ in _marked(marker))
+
+    argv = [
+        *("verify", "--framework", framework, "--step", step, "--scheme", "token_mean"),
+        *("--fixtures", "ragged", "--world-sizes", "2", "--accum", "1", "--timeout", "120"),
+    ]
+    result = _interrupt_cli(argv, cwd, signum, started, 1.5 if framework == "jax" else 0.0)
+    assert len(result.running) >= 2, result.running  # the CLI and what it started
+    _assert_stopped_in_one_line(result, signum)
+    assert "Traceback" not in result.out
 
 
 def test_an_interrupted_run_ends_its_worker_threads_and_every_process():
     """`run` waits on its jobs from worker threads (crosscheck.launch.schedule): after SIGTERM they
     must neither keep the interpreter alive nor leave a process behind."""
-    marker = uuid.uuid4().hex
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "crosscheck", "run", "--no-resume"),
-            *("--impls", "torch-ddp,jax-pmap,jax-multiprocess", "--fixture", "packed,ragged"),
-        ],
-        cwd=ROOT,
-        env={**os.environ, MARKER: marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(_marked(marker)) < 4:  # jobs of both frameworks under way
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, _marked(marker)
-            time.sleep(0.1)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
-        left = _marked(marker)
-        give_up = time.monotonic() + 1.0
-        while left and time.monotonic() < give_up:
-            time.sleep(0.05)
-            left = _marked(marker)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        _kill_marked(marker)
-    assert took < 5.0, took
-    assert proc.returncode == exit_codes.INTERRUPTED, out + err
-    assert re.fullmatch(
-        r"crosscheck: interrupted by SIGTERM; (stopped \d+ process(es)? it had started|no "
-        r"process it started is left running)\n",
-        err,
-    ), err
-    assert left == [], left
+    argv = [
+        *("run", "--no-resume", "--impls", "torch-ddp,jax-pmap,jax-multiprocess"),
+        *("--fixture", "packed,ragged"),
+    ]
+
+    def under_way(proc: subprocess.Popen, marker: str) -> bool:
+        return len(_marked(marker)) >= 4  # jobs of both frameworks under way
+
+    result = _interrupt_cli(argv, ROOT, signal.SIGTERM, under_way)
+    _assert_stopped_in_one_line(result, signal.SIGTERM)
 
 
 def test_handle_signals_turns_sigterm_into_one_line_and_restores_the_handlers(monkeypatch, capsys):
@@ -782,16 +777,13 @@ def _render(width: int, draw) -> str:
 
 def test_every_table_is_readable_at_80_columns():
     rows = _rows()
+    # R = 3: a world size jax-multiprocess does not launch.
+    where = {"fixture": "soft-weights", "scheme": "microbatch_mean", "strategy": "postnorm"}
+    layout = {"world_size": 3, "accum_steps": 1, "dtype": "bfloat16"}
     skipped = [
         SkippedCase(
+            **case_fields(impl=impl, **where, **layout),
             check="vs-oracle",
-            impl=impl,
-            fixture="soft-weights",
-            scheme="microbatch_mean",
-            strategy="postnorm",
-            world_size=3,
-            accum_steps=1,
-            dtype="bfloat16",
             reason="jax-multiprocess launches 1, 2, 4 processes, not 3",
         )
         for impl in ("jax-multiprocess", "torch-fsdp2")

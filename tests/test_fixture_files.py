@@ -5,8 +5,9 @@ path (a name ending in .npz or holding a separator) it loads the file, resolved 
 path so that workers started elsewhere find it, and validates it as a built-in. Every broken
 file here is a real file written in tmp_path: truncated at several lengths, a key missing or
 extra, a wrong shape, dtype or value, damaged bytes. Each error must name the file and what is
-wrong. The vector readers (`crosscheck.fixtures.vectors.read_manifest`, `read_vector_file`) get the
-same treatment: a truncated file or a manifest without a key is named with the file and key.
+wrong. The vector readers (`crosscheck.fixtures.vectors_read.read_manifest`,
+`read_vector_file`) get the same treatment: a truncated file or a manifest without a key is
+named with the file and key.
 """
 
 from __future__ import annotations
@@ -24,13 +25,8 @@ import pytest
 from crosscheck.contract.fixture import NPZ_KEYS, Fixture, FixtureError
 from crosscheck.contract.oracle import loss_and_grad
 from crosscheck.fixtures.builtin import builtin_fixture, fixture_reference, is_fixture_path
-from crosscheck.fixtures.vectors import (
-    MANIFEST_NAME,
-    VectorFileError,
-    export_vectors,
-    read_manifest,
-    read_vector_file,
-)
+from crosscheck.fixtures.vectors import MANIFEST_NAME, export_vectors
+from crosscheck.fixtures.vectors_read import VectorFileError, read_manifest, read_vector_file
 
 
 def _arrays(name: str = "packed") -> dict[str, np.ndarray]:

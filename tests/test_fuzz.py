@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import pickle
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from child_env import jax_env, run_script
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -296,21 +295,11 @@ def test_jax_matches_the_oracle_on_every_example(tmp_path: Path) -> None:
         cases.append((example, {key: getattr(fixture, key) for key in NPZ_KEYS}))
     job, out = tmp_path / "job.pkl", tmp_path / "out.pkl"
     job.write_bytes(pickle.dumps(cases))
-    env = dict(os.environ)
     # Cheaper code generation for these tiny programs, as tests/jax_matrix.py's runners use
     # (no change to the HLO passes or to floating-point semantics).
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    run = subprocess.run(
-        [sys.executable, __file__, "--jax", str(job), "--out", str(out)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=JAX_TIMEOUT_S,
-    )
-    assert run.returncode == 0, f"JAX worker failed:\n{run.stderr[-4000:]}"
+    env = jax_env(f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}")
+    arguments = ("--jax", str(job), "--out", str(out))
+    run_script(__file__, *arguments, env=env, timeout=JAX_TIMEOUT_S, what="JAX worker")
     results = pickle.loads(out.read_bytes())
     expected = sum(
         len(JAX_VARIANTS[_front_end(i)]) * len(INTENDED_SCHEMES) for i in range(len(examples_))

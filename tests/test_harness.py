@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from case_fields import make_case
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.fixtures.builtin import builtin_fixture
@@ -46,15 +47,8 @@ def oracle_output(case: Case, scale: float = 1.0) -> CaseOutput:
 
 
 def case(**overrides) -> Case:
-    fields = dict(
-        impl="torch-ddp",
-        fixture="packed",
-        scheme="token_mean",
-        strategy="precount",
-        world_size=2,
-        accum_steps=2,
-    )
-    return Case(**(fields | overrides))
+    """torch-ddp on packed, token_mean, precount, R = M = 2, float64, unless overridden."""
+    return make_case(**overrides)
 
 
 def test_a_perfect_output_passes_with_zero_error():

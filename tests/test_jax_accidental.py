@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,15 +120,11 @@ def test_seed_rank_mean_weighs_the_short_rank_nine_times() -> None:
 
 def no_valid_targets() -> Fixture:
     base = builtin_fixture("empty-rank")
-    return Fixture(
+    return dataclasses.replace(
+        base,
         name="no-valid-targets",
         description="every target ignored: D = 0",
-        inputs=base.inputs,
         targets=np.full_like(base.targets, jax_impl.IGNORE_INDEX),
-        segment_ids=base.segment_ids,
-        weights=base.weights,
-        embed=base.embed,
-        unembed=base.unembed,
     )
 
 

@@ -2,59 +2,36 @@
 
 Every catalogue run plus the rank-skew calibration runs come from the session's one run of
 the catalogue (tests/bug_outputs.py, through `crosscheck.bugs.jax_bugs.run`: two worker
-processes, one per dtype). Each output is then
-checked against what the pattern's text in crosscheck.diagnosis.patterns defines, computed here with
-numpy and the oracle: the logged denominator exactly, and the gradient within 1e-12 (float64)
-of the weighting the pattern describes: a scale of the token mean, a reweighting, or the
-clipped sum.
+processes, one per dtype). Each output is then checked against what the pattern's text in
+crosscheck.diagnosis.patterns defines, computed with numpy (the counts and scales in
+tests/bug_predictions.py, which test_torch_bugs holds torch to) and the oracle: the logged
+denominator exactly, and the gradient within 1e-12 (float64) of the weighting the pattern
+describes: a scale of the token mean, a reweighting, or the clipped sum.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from bug_outputs import catalogue_outputs
+from bug_outputs import bug_output, judged_runs, skew_run
+from bug_predictions import LOGGED_DENOMINATOR, TOKEN_MEAN_SCALE, counts
 
 from crosscheck.bugs import jax_bugs
-from crosscheck.bugs.catalogue_run import SKEW, SKEW_FIXTURE, SKEW_LAYOUT
+from crosscheck.bugs.catalogue_run import SKEW
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import OracleResult, loss_and_grad, weighted_grad
-from crosscheck.diagnosis.patterns import (
-    CLIP_PER_MICROBATCH_NORM,
-    PATTERNS,
-    RANK_SKEW,
-    BugOutput,
-    BugRun,
-    catalogue_runs,
-)
+from crosscheck.diagnosis.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS, RANK_SKEW, BugRun
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
 
 ROOT = Path(__file__).resolve().parents[1]
-CATALOGUE = catalogue_runs(("jax",))
-
-
-def _skew(skew: float, dtype: str = "float64") -> BugRun:
-    # The skew runs of crosscheck.bugs.catalogue_run (same fixture, layout and skews): the shared
-    # session run already holds them, and (ragged, 2, 1) is a catalogue layout too.
-    R, M = SKEW_LAYOUT
-    return BugRun(
-        pattern=RANK_SKEW,
-        framework="jax",
-        fixture=SKEW_FIXTURE,
-        world_size=R,
-        accum_steps=M,
-        dtype=dtype,
-        skew=skew,
-    )
-
-
-SKEW_RUNS = [_skew(1.0), _skew(1.0, "float32"), _skew(SKEW)]
+# Both held by the session's one run (tests/bug_outputs.py); the skew runs' layout, (ragged,
+# 2, 1), is a catalogue layout too.
+CATALOGUE, SKEW_RUNS = judged_runs("jax")
 BAD_RUNS = {
     "not divisible by 3": BugRun(
         pattern="rank-mean", framework="jax", fixture="packed", world_size=3, accum_steps=1
@@ -72,20 +49,9 @@ BAD_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def outcomes() -> dict:
-    # The session's one run of every buggy step (tests/bug_outputs.py), plus the bad runs.
-    shared = catalogue_outputs()
-    return {
-        **{run: shared[run] for run in [*CATALOGUE, *SKEW_RUNS]},
-        **jax_bugs.run(list(BAD_RUNS.values())),
-    }
-
-
-def _output(outcomes: dict, run: BugRun) -> BugOutput:
-    out = outcomes[run]
-    if isinstance(out, BaseException):
-        raise AssertionError(f"{run.describe()} failed") from out
-    return out
+def bad_outcomes() -> dict:
+    """The bad runs through the JAX runner (the catalogue's come from tests/bug_outputs.py)."""
+    return jax_bugs.run(list(BAD_RUNS.values()))
 
 
 def _rows(fixture: Fixture, R: int, M: int, rank: int, micro: int) -> slice:
@@ -100,38 +66,6 @@ def _valid_count(f: Fixture) -> int:
 
 def _rows_with_target(f: Fixture) -> int:
     return int(f.valid.any(axis=1).sum())
-
-
-#: The logged denominator of each pattern's text, from the fixture's arrays; (fixture, R, M).
-EXPECTED_LOGGED: dict[str, Callable[[Fixture, int, int], float]] = {
-    "rank-mean": lambda f, R, M: int(f.valid[: f.num_rows // R].sum()),
-    "microbatch-mean": lambda f, R, M: int(f.valid[_rows(f, R, M, 0, M - 1)].sum()),
-    "missing-world-size": lambda f, R, M: _valid_count(f),
-    "double-world-size": lambda f, R, M: _valid_count(f),
-    "double-accum-scale": lambda f, R, M: _valid_count(f),
-    "double-accum-divide": lambda f, R, M: _valid_count(f),
-    "unshifted-count": lambda f, R, M: _valid_count(f) + _rows_with_target(f),
-    "attention-mask-count": lambda f, R, M: int((f.segment_ids > 0).sum()),
-    "clip-per-microbatch": lambda f, R, M: _valid_count(f),
-    "stale-count": lambda f, R, M: 2 * _valid_count(f),
-    "double-reduce-count": lambda f, R, M: R * _valid_count(f),
-    "packed-as-one": lambda f, R, M: _rows_with_target(f),
-    "padding-as-tokens": lambda f, R, M: f.num_rows * f.seq_len,
-    RANK_SKEW: lambda f, R, M: _valid_count(f),
-}
-
-#: Pure scale errors: the gradient is this factor times the token-mean oracle's.
-SCALES: dict[str, Callable[[Fixture, int, int], float]] = {
-    "missing-world-size": lambda f, R, M: 1 / R,
-    "double-world-size": lambda f, R, M: R,
-    "double-accum-scale": lambda f, R, M: M,
-    "double-accum-divide": lambda f, R, M: 1 / M,
-    "double-reduce-count": lambda f, R, M: 1 / R,
-    "stale-count": lambda f, R, M: 1 / 2,
-    "padding-as-tokens": lambda f, R, M: _valid_count(f) / (f.num_rows * f.seq_len),
-    "unshifted-count": lambda f, R, M: _valid_count(f) / (_valid_count(f) + _rows_with_target(f)),
-    "attention-mask-count": lambda f, R, M: _valid_count(f) / (f.segment_ids > 0).sum(),
-}
 
 
 def _token_mean(run: BugRun) -> OracleResult:
@@ -149,9 +83,9 @@ def _assert_close(run: BugRun, actual: dict, expected: dict, rtol: float = FLOAT
     assert err.max_rel_err <= rtol, f"{run.describe()}: {err.describe()}"
 
 
-def test_every_run_produced_a_finite_synchronized_gradient(outcomes: dict) -> None:
+def test_every_run_produced_a_finite_synchronized_gradient() -> None:
     for run in [*CATALOGUE, *SKEW_RUNS]:
-        out = _output(outcomes, run)
+        out = bug_output(run)
         f = builtin_fixture(run.fixture)
         assert set(out.grads) == {"embed", "unembed"}, run.describe()
         for name, shape in (("embed", f.embed.shape), ("unembed", f.unembed.shape)):
@@ -162,64 +96,64 @@ def test_every_run_produced_a_finite_synchronized_gradient(outcomes: dict) -> No
 
 def test_the_catalogue_has_every_pattern_and_every_logged_rule() -> None:
     assert {run.pattern for run in CATALOGUE} == set(PATTERNS)
-    assert set(EXPECTED_LOGGED) | {"float32-count"} == set(PATTERNS) | {RANK_SKEW}
+    assert set(LOGGED_DENOMINATOR) | {"float32-count"} == set(PATTERNS) | {RANK_SKEW}
 
 
-def test_logged_denominators_are_the_ones_the_pattern_text_defines(outcomes: dict) -> None:
+def test_logged_denominators_are_the_ones_the_pattern_text_defines() -> None:
     for run in [*CATALOGUE, *SKEW_RUNS]:
         if run.pattern == "float32-count":
             continue  # its own test: the value depends on the float32 summation order
-        f = builtin_fixture(run.fixture)
-        want = EXPECTED_LOGGED[run.pattern](f, run.world_size, run.accum_steps)
-        got = _output(outcomes, run).logged_denominator
+        c = counts(run.fixture, run.world_size, run.accum_steps)
+        want = LOGGED_DENOMINATOR[run.pattern](c, run.world_size)
+        got = bug_output(run).logged_denominator
         assert got == want, f"{run.describe()}: logged {got}, the pattern defines {want}"
 
 
-def test_rank_skew_at_one_is_the_token_mean_in_both_dtypes(outcomes: dict) -> None:
+def test_rank_skew_at_one_is_the_token_mean_in_both_dtypes() -> None:
     for run, rtol in ((SKEW_RUNS[0], FLOAT64_RTOL), (SKEW_RUNS[1], FLOAT32_RTOL)):
-        _assert_close(run, _output(outcomes, run).grads, _token_mean(run).grads, rtol)
+        _assert_close(run, bug_output(run).grads, _token_mean(run).grads, rtol)
     # float32 really ran in float32: it is not float64-exact.
-    err = tree_rel_err(_output(outcomes, SKEW_RUNS[1]).grads, _token_mean(SKEW_RUNS[1]).grads)
+    err = tree_rel_err(bug_output(SKEW_RUNS[1]).grads, _token_mean(SKEW_RUNS[1]).grads)
     assert err.max_rel_err > 1e-12
 
 
-def test_rank_skew_weighs_rank_zero_by_the_skew(outcomes: dict) -> None:
+def test_rank_skew_weighs_rank_zero_by_the_skew() -> None:
     run = SKEW_RUNS[2]
     f = builtin_fixture(run.fixture)
     c = f.valid / _valid_count(f)
     c[: f.num_rows // run.world_size] *= run.skew
-    got = _output(outcomes, run).grads
+    got = bug_output(run).grads
     _assert_close(run, got, _grad(f, c))
     assert tree_rel_err(got, _token_mean(run).grads).max_rel_err > 1e-4
 
 
-@pytest.mark.parametrize("pattern", sorted(SCALES))
-def test_scale_patterns_are_the_token_mean_times_their_scale(outcomes: dict, pattern: str) -> None:
+@pytest.mark.parametrize("pattern", sorted(TOKEN_MEAN_SCALE))
+def test_scale_patterns_are_the_token_mean_times_their_scale(pattern: str) -> None:
     for run in (r for r in CATALOGUE if r.pattern == pattern):
-        f = builtin_fixture(run.fixture)
-        scale = SCALES[pattern](f, run.world_size, run.accum_steps)
+        c = counts(run.fixture, run.world_size, run.accum_steps)
+        scale = TOKEN_MEAN_SCALE[pattern](c, run.world_size, run.accum_steps)
         want = {k: scale * v for k, v in _token_mean(run).grads.items()}
-        _assert_close(run, _output(outcomes, run).grads, want)
+        _assert_close(run, bug_output(run).grads, want)
 
 
 @pytest.mark.parametrize("pattern", ["rank-mean", "microbatch-mean"])
-def test_local_means_are_the_oracles_accidental_schemes(outcomes: dict, pattern: str) -> None:
+def test_local_means_are_the_oracles_accidental_schemes(pattern: str) -> None:
     for run in (r for r in CATALOGUE if r.pattern == pattern):
         scheme = pattern.replace("-", "_")
         want = loss_and_grad(builtin_fixture(run.fixture), scheme, run.world_size, run.accum_steps)
-        _assert_close(run, _output(outcomes, run).grads, want.grads)
+        _assert_close(run, bug_output(run).grads, want.grads)
         assert tree_rel_err(want.grads, _token_mean(run).grads).max_rel_err > 1e-3
 
 
-def test_packed_as_one_weighs_every_token_by_its_row(outcomes: dict) -> None:
+def test_packed_as_one_weighs_every_token_by_its_row() -> None:
     for run in (r for r in CATALOGUE if r.pattern == "packed-as-one"):
         f = builtin_fixture(run.fixture)
         n_row = f.valid.sum(axis=1, keepdims=True)
         c = np.where(f.valid, 1 / np.maximum(n_row, 1), 0.0) / _rows_with_target(f)
-        _assert_close(run, _output(outcomes, run).grads, _grad(f, c))
+        _assert_close(run, bug_output(run).grads, _grad(f, c))
 
 
-def test_clip_per_microbatch_is_the_sum_of_clipped_microbatch_gradients(outcomes: dict) -> None:
+def test_clip_per_microbatch_is_the_sum_of_clipped_microbatch_gradients() -> None:
     for run in (r for r in CATALOGUE if r.pattern == "clip-per-microbatch"):
         f = builtin_fixture(run.fixture)
         R, M = run.world_size, run.accum_steps
@@ -233,16 +167,16 @@ def test_clip_per_microbatch_is_the_sum_of_clipped_microbatch_gradients(outcomes
             norm = np.sqrt(sum(float((x**2).sum()) for x in g.values()))
             factor = 1.0 if norm < CLIP_PER_MICROBATCH_NORM else CLIP_PER_MICROBATCH_NORM / norm
             want = {k: want[k] + factor * g[k] for k in want}
-        _assert_close(run, _output(outcomes, run).grads, want)
+        _assert_close(run, bug_output(run).grads, want)
         # The catalogue promises the clip bites on its layouts: else this is the token mean.
         assert tree_rel_err(want, _token_mean(run).grads).max_rel_err > 1e-3, run.describe()
 
 
-def test_float32_count_divides_by_an_inexact_float32_total(outcomes: dict) -> None:
+def test_float32_count_divides_by_an_inexact_float32_total() -> None:
     for run in (r for r in CATALOGUE if r.pattern == "float32-count"):
         f = builtin_fixture(run.fixture)
         total = float(f.weights[f.valid].sum())  # integers < 2^53: exact in float64
-        out = _output(outcomes, run)
+        out = bug_output(run)
         logged = out.logged_denominator
         assert float(np.float32(logged)) == logged, f"{run.describe()}: {logged} is not float32"
         assert logged != total, f"{run.describe()}: float32 cannot hold {total} exactly"
@@ -254,15 +188,15 @@ def test_float32_count_divides_by_an_inexact_float32_total(outcomes: dict) -> No
 
 
 @pytest.mark.parametrize("why", sorted(BAD_RUNS))
-def test_a_bad_run_comes_back_as_an_error_naming_it(outcomes: dict, why: str) -> None:
+def test_a_bad_run_comes_back_as_an_error_naming_it(bad_outcomes: dict, why: str) -> None:
     run = BAD_RUNS[why]
-    error = outcomes[run]
+    error = bad_outcomes[run]
     assert isinstance(error, ValueError | jax_bugs.JaxBugRunError), error
     assert run.describe() in str(error) and why in str(error), str(error)
 
 
 def test_a_worker_that_outlives_its_timeout_fails_its_runs_instead_of_hanging() -> None:
-    runs = [_skew(1.0), _skew(1.0, "float32")]
+    runs = [skew_run("jax", "float64", 1.0), skew_run("jax", "float32", 1.0)]
     result = jax_bugs.run(runs, timeout_s=0.5)  # importing JAX alone takes longer
     for run in runs:
         assert isinstance(result[run], jax_bugs.JaxBugRunError), result[run]
@@ -270,8 +204,8 @@ def test_a_worker_that_outlives_its_timeout_fails_its_runs_instead_of_hanging() 
 
 
 def test_a_failed_worker_fails_every_run_it_carried(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jax_bugs, "WORKER_MODULE", "crosscheck.run.implementations.no_such_worker")
-    runs = [_skew(1.0), _skew(1.01)]
+    monkeypatch.setattr(jax_bugs, "WORKER_MODULE", "crosscheck.bugs.no_such_worker")
+    runs = [skew_run("jax", "float64", 1.0), skew_run("jax", "float64", SKEW)]
     result = jax_bugs.run(runs)
     for run in runs:
         assert isinstance(result[run], jax_bugs.JaxBugRunError), result[run]
@@ -280,7 +214,7 @@ def test_a_failed_worker_fails_every_run_it_carried(monkeypatch: pytest.MonkeyPa
 
 def test_the_runner_does_not_import_jax_in_the_calling_process() -> None:
     code = (
-        "import sys; import crosscheck.bugs.jax_bugs as m; m._launch(); "
+        "import sys; import crosscheck.bugs.jax_bugs as m; m.jax_launch(); "
         "assert 'jax' not in sys.modules, sorted(k for k in sys.modules if 'jax' in k)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)

@@ -18,10 +18,9 @@ also jax.distributed processes and the resumable loop):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from child_env import jax_env, run_script
+from jax_matrix import build_sweep
 
 import jax_impl
 from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, builtin_fixture, loss_and_grad, tree_rel_err
@@ -94,15 +95,11 @@ def heavy_token_fixture() -> Fixture:
     weights = base.valid.astype(np.float64)
     row, pos = np.argwhere(base.valid)[0]
     weights[row, pos] = 2.0**24
-    return Fixture(
+    return dataclasses.replace(
+        base,
         name=HEAVY_TOKEN,
         description="packed with one valid token of weight 2^24, the others 1",
-        inputs=base.inputs,
-        targets=base.targets,
-        segment_ids=base.segment_ids,
         weights=weights,
-        embed=base.embed,
-        unembed=base.unembed,
     )
 
 
@@ -133,22 +130,6 @@ def step_configs(front_end: str) -> list[jax_impl.StepConfig]:
     ]
 
 
-def make_sweep(front_end: str, world_size: int):
-    """The front-end's sweep of both strategies, and how to place (batch, params) for it."""
-    configs = step_configs(front_end)
-    if front_end == "pmap":
-        device = jax_impl.require_devices(world_size)[0]
-        sweep = jax_impl.make_pmap_sweep(configs, world_size)
-        return sweep, lambda batch, params: (batch, jax.device_put(params, device))
-    mesh = jax_impl.data_mesh(world_size)
-    make = jax_impl.make_shard_map_sweep if front_end == "shard_map" else jax_impl.make_global_sweep
-
-    def place(batch, params):
-        return jax_impl.shard_batch(batch, mesh), jax_impl.replicate(params, mesh)
-
-    return make(configs, mesh), place
-
-
 def step_records(
     dtype: str, cases: Sequence[tuple[str, str, int, int]], front_ends: Sequence[str]
 ) -> list[dict]:
@@ -158,7 +139,7 @@ def step_records(
     records = []
     for front_end in front_ends:
         for world_size in sorted({R for _, _, R, _ in cases}):
-            sweep, place = make_sweep(front_end, world_size)
+            sweep, place = build_sweep(front_end, step_configs(front_end), world_size)
             for fixture_name, scheme, R, M in cases:
                 if world_size != R:
                     continue
@@ -384,19 +365,10 @@ def test_float64_weight_sum_past_2_24_is_exact(tmp_path: Path) -> None:
     (integers below 2^53: no partial sum of these weights rounds) and the gradient matches the
     oracle at 1e-12, at every layout, front-end and strategy."""
     out = tmp_path / "x64.json"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    run = subprocess.run(
-        [sys.executable, __file__, "--x64", "--out", str(out)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=X64_TIMEOUT_S,
+    env = jax_env("--xla_force_host_platform_device_count=8")
+    run_script(
+        __file__, "--x64", "--out", str(out), env=env, timeout=X64_TIMEOUT_S, what="x64 process"
     )
-    assert run.returncode == 0, f"x64 process failed:\n{run.stderr[-4000:]}"
     records = json.loads(out.read_text())
     assert len(records) == len(PAST_2_24_CASES) * len(FRONT_ENDS) * len(STRATEGIES)
     for r in records:

@@ -38,7 +38,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from jax_matrix import RUNNER_XLA_FLAGS
+from case_fields import make_case
+from child_env import ROOT, zygote_env
+from jax_matrix import RUNNER_XLA_FLAGS, smallest_multiprocess_spec
 
 from crosscheck.contract.cases import Case, CaseOutput, TrainSettings
 from crosscheck.contract.oracle import loss_and_grad
@@ -53,20 +55,7 @@ from jax_impl.harness.launch import LaunchError, WorkerResult, run_workers
 from jax_impl.harness.multiprocess import launch_multiprocess
 from jax_impl.harness.zygote import NO_FORK_SERVERS_ENV, Zygote, ZygoteError, unavailable
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-
-
 # ---- helpers --------------------------------------------------------------------------------
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
 
 
 def _marker() -> str:
@@ -143,13 +132,13 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
 
 @pytest.fixture(scope="module")
 def light_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Zygote]]:
-    """A zygote that preloads nothing but what ``python -m jax_impl.harness.zygote`` imports;
+    """A zygote that preloads nothing but what ``python -m jax_impl.harness.zygote_server`` imports;
     started again when a test stopped it (terminate_all)."""
     made: list[Zygote] = []
 
     def get() -> Zygote:
         if not made or not made[-1].alive:
-            made.append(Zygote([], _env(), tmp_path_factory.mktemp("zygote") / "log"))
+            made.append(Zygote([], zygote_env(), tmp_path_factory.mktemp("zygote") / "log"))
         return made[-1]
 
     yield get
@@ -182,7 +171,11 @@ def test_every_exit_path_kills_the_worker_with_what_it_started(
 
     def run(timeout_s: float = 60) -> list[WorkerResult]:
         return run_workers(
-            [command], timeout_s=timeout_s, log_dir=tmp_path / "logs", env=_env(), zygote=zygote
+            [command],
+            timeout_s=timeout_s,
+            log_dir=tmp_path / "logs",
+            env=zygote_env(),
+            zygote=zygote,
         )
 
     if path == "exit 0":
@@ -228,7 +221,7 @@ def test_terminate_all_stops_every_group_workers_first(
         command = _spawner(marker, tmp_path / f"{name}.pids", 600, 0, "ignore-term")
         try:
             run_workers(
-                [command], timeout_s=120, log_dir=tmp_path / name, env=_env(), zygote=forker
+                [command], timeout_s=120, log_dir=tmp_path / name, env=zygote_env(), zygote=forker
             )
         except BaseException as error:  # reported below, in the main thread
             errors[name] = error
@@ -312,15 +305,7 @@ def test_a_hung_step_ends_within_the_grace_and_its_children_are_gone(
 
 # ---- the zygote only where supported --------------------------------------------------------
 
-SWITCH_CASE = Case(
-    impl="jax-pmap",
-    fixture="packed",
-    scheme="token_mean",
-    strategy="precount",
-    world_size=2,
-    accum_steps=2,
-    dtype="float32",
-)
+SWITCH_CASE = make_case(impl="jax-pmap", dtype="float32")
 
 
 def _run_harness_case(monkeypatch: pytest.MonkeyPatch) -> tuple[CaseOutput, list[WorkerResult]]:
@@ -376,13 +361,13 @@ def test_a_platform_without_what_the_zygote_uses_gets_plain_processes(
     assert unavailable() == f"this platform lacks os.{name}"
     assert jax_runner.worker_zygote() is None
     with pytest.raises(ZygoteError, match=rf"^no zygote: this platform lacks os\.{name}$"):
-        Zygote([], _env(), tmp_path / "zygote.log")
+        Zygote([], zygote_env(), tmp_path / "zygote.log")
     marker = _marker()
     [result] = run_workers(
         [_spawner(marker, tmp_path / "pids", 0, 0)],
         timeout_s=60,
         log_dir=tmp_path / "logs",
-        env=_env(),
+        env=zygote_env(),
         zygote=jax_runner.worker_zygote(),
     )
     assert result.returncode == 0 and not result.forked
@@ -390,19 +375,6 @@ def test_a_platform_without_what_the_zygote_uses_gets_plain_processes(
 
 
 # ---- coordinator ports ----------------------------------------------------------------------
-
-
-def _spec(tmp_path: Path, **extra: object) -> dict:
-    fixture = builtin_fixture("packed").save(tmp_path / "packed.npz")
-    return {
-        "optimizer": {"name": "sgd", "learning_rate": 0.1},
-        "num_updates": 1,
-        "variants": [["precount", "psum"]],
-        "schemes": ["token_mean"],
-        "dtypes": ["float32"],
-        "cases": [{"fixture": str(fixture), "accum_steps": 1}],
-        **extra,
-    }
 
 
 def _launch(spec: dict, work: Path) -> list[dict[str, np.ndarray]]:
@@ -433,7 +405,7 @@ def _spy_ports(monkeypatch: pytest.MonkeyPatch, first: Callable | None = None) -
 def test_two_launches_at_once_both_succeed_on_their_own_ports(
     tmp_path: Path, started: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = _spec(tmp_path)
+    spec = smallest_multiprocess_spec(tmp_path)
     ports = _spy_ports(monkeypatch)
     jax_runner.worker_zygote()  # started before, so that both launches fork at once
     barrier = threading.Barrier(2)
@@ -485,7 +457,7 @@ def test_a_taken_coordinator_port_is_retried_on_another(
         # The first launch attempt is given the taken port, as a launcher racing a stranger
         # for it would be; the retry reserves one as usual.
         ports = _spy_ports(monkeypatch, first=lambda: _Stranger(port))
-        outputs = _launch(_spec(tmp_path), tmp_path / "run")
+        outputs = _launch(smallest_multiprocess_spec(tmp_path), tmp_path / "run")
     assert ports[0] == port and len(ports) == 2 and ports[1] != port
     first_attempt = (tmp_path / "run" / "attempt1" / "worker0.err").read_text()
     assert (
@@ -521,7 +493,7 @@ def test_a_worker_killed_mid_run_stops_the_launch_naming_it_and_the_signal(
     """Process 1 stops after its first update's gradients and is SIGKILLed there; process 0
     is then blocked in the next collective. The launcher must stop it and raise at once."""
     work = tmp_path / "run"
-    spec = _spec(tmp_path, num_updates=2, stall_process=1)
+    spec = smallest_multiprocess_spec(tmp_path, num_updates=2, stall_process=1)
     killed: dict[str, float | int] = {}
 
     def kill_process_1() -> None:
@@ -558,7 +530,7 @@ def test_a_worker_killed_mid_run_stops_the_launch_naming_it_and_the_signal(
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_an_exact_resume(
     tmp_path: Path,
 ) -> None:
-    env = _env(XLA_FLAGS=RUNNER_XLA_FLAGS)  # both processes alike: the same compiled code
+    env = zygote_env(XLA_FLAGS=RUNNER_XLA_FLAGS)  # both processes alike: the same compiled code
     command = [sys.executable, "-m", "jax_checkpoint_kill"]
     with (tmp_path / "save.err").open("wb") as err:
         saver = subprocess.Popen(

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from jax_matrix import RUNNER_XLA_FLAGS
+from jax_matrix import RUNNER_XLA_FLAGS, smallest_multiprocess_spec
 
-from crosscheck import builtin_fixture
 from jax_impl.harness.launch import LaunchError, run_workers
 from jax_impl.harness.multiprocess import launch_multiprocess
 
@@ -49,16 +48,7 @@ def test_a_hung_worker_is_killed_at_the_deadline(tmp_path: Path) -> None:
 
 def test_a_crashed_jax_distributed_process_does_not_hang_its_peer(tmp_path: Path) -> None:
     """Process 1 dies right after joining; process 0 would wait in its first collective."""
-    path = builtin_fixture("packed").save(tmp_path / "packed.npz")
-    spec = {
-        "optimizer": {"name": "sgd", "learning_rate": 0.1},
-        "num_updates": 1,
-        "variants": [["precount", "psum"]],
-        "schemes": ["token_mean"],
-        "dtypes": ["float32"],
-        "cases": [{"fixture": str(path), "accum_steps": 1}],
-        "fail_process": 1,
-    }
+    spec = smallest_multiprocess_spec(tmp_path, fail_process=1)
     start = time.monotonic()
     with pytest.raises(LaunchError, match=r"worker\(s\) \[1\] failed") as error:
         launch_multiprocess(

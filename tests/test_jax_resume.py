@@ -1,20 +1,16 @@
 """Checkpoint resume of the JAX reference (pmap + orbax): stop, save, restart fresh, continue.
 
-Every grid case runs three AdamW updates with clipping in float64, stops after update 1 or
-inside update 2 after some of its microbatches, saves an orbax checkpoint, resumes in a fresh
-process, and compares the params after update 3 with an uninterrupted run of the reference
-pmap step and with the oracle's:
+Every case of the resume grid (tests/resume_grid.py, the torch reference's grid too) runs three
+AdamW updates with clipping in float64, stops after update 1 or inside update 2 after some of
+its microbatches, saves an orbax checkpoint, resumes in a fresh process (at the same layout, or
+between updates at another layout of the same global batch), and compares the params after
+update 3 with an uninterrupted run of the reference pmap step and with the oracle's.
 
-    (a) stop between updates at (R, M) = (2, 2), resume at (2, 2);
-    (b) stop inside update 2 after 1 microbatch at (2, 2), and after 1 and after 3 at (1, 4);
-        resume at the same layout;
-    (c) stop between updates at (2, 2), resume at (4, 1) and at (1, 4) (same global batch).
-
-The grid goes through `crosscheck.run.jax_resume.run_resume`: one worker process stops
-every case (and runs the baselines), a second one resumes every case. Around it, in this
-process (float32: x64 is global and stays off here): an unfinalized checkpoint is never
-restored, a mid-accumulation checkpoint refuses another layout, and a resume that lost its
-partial gradient is caught by the same comparison (the comparison can fail).
+The grid goes through `crosscheck.run.jax_resume.run_resume`: one worker process stops every
+case (and runs the baselines), a second one resumes every case. Around it, in this process
+(float32: x64 is global and stays off here): an unfinalized checkpoint is never restored, a
+mid-accumulation checkpoint refuses another layout, and a resume that lost its partial
+gradient is caught by the same comparison (the comparison can fail).
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from resume_grid import NUM_UPDATES, SCENARIOS, resume_case, resume_grid
 
 from crosscheck import FLOAT64_RTOL, builtin_fixture, tree_rel_err
 from crosscheck.contract.cases import ResumeCase, ResumeOutput, TrainSettings
@@ -33,43 +30,8 @@ from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.contract.optimizers import train
 from crosscheck.run.jax_resume import run_resume
 
-NUM_UPDATES = 3
-FIXTURES = ("packed", "ragged")
-SCHEMES = ("token_mean", "sequence_mean", "weighted_mean")
-STRATEGIES = ("precount", "postnorm")
-#: (stop layout, microbatches of update 2 done at the stop, resume layout)
-SCENARIOS = (
-    ((2, 2), 0, (2, 2)),
-    ((2, 2), 1, (2, 2)),
-    ((1, 4), 1, (1, 4)),
-    ((1, 4), 3, (1, 4)),
-    ((2, 2), 0, (4, 1)),
-    ((2, 2), 0, (1, 4)),
-)
 SETTINGS = TrainSettings(num_updates=NUM_UPDATES)
-
-
-def _case(fixture, scheme, strategy, scenario, impl="jax-pmap", dtype="float64") -> ResumeCase:
-    (R, M), done, (R2, M2) = scenario
-    return ResumeCase(
-        impl=impl,
-        fixture=fixture,
-        scheme=scheme,
-        strategy=strategy,
-        world_size=R,
-        accum_steps=M,
-        resume_world_size=R2,
-        resume_accum_steps=M2,
-        stop_after_updates=1,
-        stop_after_microbatches=done,
-        num_updates=NUM_UPDATES,
-        dtype=dtype,
-    )
-
-
-CASES = [
-    _case(f, s, st, sc) for f in FIXTURES for s in SCHEMES for st in STRATEGIES for sc in SCENARIOS
-]
+CASES = resume_grid("jax-pmap")
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +70,7 @@ def test_resume_matches_uninterrupted_and_oracle(outputs, case: ResumeCase) -> N
 
 def test_unsupported_impl_is_refused_by_name() -> None:
     got = {}
-    case = _case("packed", "token_mean", "precount", SCENARIOS[0], impl="jax-shard_map")
+    case = resume_case("jax-shard_map", "packed", "token_mean", "precount", SCENARIOS[0])
     run_resume([case], SETTINGS, lambda c, out: got.__setitem__(c, out))
     assert isinstance(got[case], ValueError) and "pmap only" in str(got[case])
 

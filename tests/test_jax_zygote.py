@@ -13,26 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_env import zygote_env
 
 from jax_impl.harness.launch import LaunchError, run_workers
 from jax_impl.harness.zygote import Zygote, ZygoteError
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
-    env["JAX_PLATFORMS"] = "cpu"
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
-
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
-    zygote = Zygote(["jax", "zygote_probe"], _env(), tmp_path_factory.mktemp("z") / "log")
+    zygote = Zygote(["jax", "zygote_probe"], zygote_env(), tmp_path_factory.mktemp("z") / "log")
     yield zygote
     zygote.close()
 
@@ -47,7 +36,9 @@ def test_forked_workers_see_their_own_flags_argv_env_and_cwd(zygote, tmp_path):
             [_probe(0)],
             timeout_s=60,
             log_dir=tmp_path / name,
-            env=_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={count}", GW_PROBE=name),
+            env=zygote_env(
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={count}", GW_PROBE=name
+            ),
             cwd=tmp_path,
             zygote=zygote,
         )[0]
@@ -69,7 +60,7 @@ def test_a_failing_worker_is_reported_with_its_status_and_stderr(zygote, tmp_pat
             [_probe(0, 30.0), _probe(7)],
             timeout_s=60,
             log_dir=tmp_path,
-            env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+            env=zygote_env(XLA_FLAGS="--xla_force_host_platform_device_count=1"),
             zygote=zygote,
         )
     message = str(error.value)
@@ -85,7 +76,7 @@ def test_the_wait_is_bounded_and_the_worker_killed(zygote, tmp_path):
             [_probe(0, 60.0)],
             timeout_s=2,
             log_dir=tmp_path,
-            env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+            env=zygote_env(XLA_FLAGS="--xla_force_host_platform_device_count=1"),
             zygote=zygote,
         )
     # The launcher waited for the kill to land: the zygote reaped the child (SIGKILL: -9).
@@ -93,13 +84,13 @@ def test_the_wait_is_bounded_and_the_worker_killed(zygote, tmp_path):
 
 
 def test_a_dead_zygote_means_plain_processes_not_failures(tmp_path):
-    dead = Zygote(["zygote_probe"], _env(), tmp_path / "log")
+    dead = Zygote(["zygote_probe"], zygote_env(), tmp_path / "log")
     dead.close()
     result = run_workers(
         [_probe(0)],
         timeout_s=60,
         log_dir=tmp_path / "run",
-        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+        env=zygote_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
         zygote=dead,
     )[0]
     report = json.loads(result.stdout_path.read_text())
@@ -108,7 +99,7 @@ def test_a_dead_zygote_means_plain_processes_not_failures(tmp_path):
 
 def test_the_zygote_refuses_to_fork_a_threaded_process(tmp_path):
     with pytest.raises(ZygoteError, match="threads after the imports; fork is unsafe"):
-        Zygote(["zygote_threaded"], _env(), tmp_path / "log")
+        Zygote(["zygote_threaded"], zygote_env(), tmp_path / "log")
 
 
 def test_the_harness_forks_its_jax_workers():

@@ -13,53 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from json_keys import CASE_KEYS, LOG_KEYS, RESULT_KEYS, SKIP_KEYS
 
 from crosscheck.run.implementations import IMPLEMENTATIONS
-
-DOCUMENTED_KEYS = {
-    "check",
-    "fixture",
-    "scheme",
-    "impl",
-    "strategy",
-    "world_size",
-    "accum_steps",
-    "dtype",
-    "max_rel_err",
-    "ok",
-    "reference",
-    "weight_ratio",
-    "deviation",
-    "detail",
-}
-SKIP_KEYS = {
-    "check",
-    "impl",
-    "fixture",
-    "scheme",
-    "strategy",
-    "world_size",
-    "accum_steps",
-    "dtype",
-    "reason",
-}
-CASE_KEYS = ("impl", "fixture", "scheme", "strategy", "world_size", "accum_steps", "dtype")
-LOG_KEYS = {
-    "impl",
-    "fixture",
-    "scheme",
-    "strategy",
-    "world_size",
-    "accum_steps",
-    "rank",
-    "update",
-    "valid_tokens",
-    "loss_sum",
-    "denominator",
-    "objective",
-    "grad_norm",
-    "clipped_grad_norm",
-}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +59,7 @@ def test_json_has_the_documented_keys_and_every_check(run_output):
     assert payload["plan"]["explicit"] == ["accum_steps", "fixtures", "schemes", "world_sizes"]
     rows = payload["results"]
     for row in rows:
-        assert set(row) >= DOCUMENTED_KEYS, set(DOCUMENTED_KEYS) - set(row)
+        assert set(row) >= RESULT_KEYS, set(RESULT_KEYS) - set(row)
         assert row["ok"] is True, row
         assert row["max_rel_err"] is not None  # never NaN/inf in a passing row
     checks = {row["check"] for row in rows}

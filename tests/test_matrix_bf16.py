@@ -4,8 +4,9 @@ precision-aware verdict, which catches a skew that the bf16 tolerance alone lets
 from __future__ import annotations
 
 import numpy as np
+from case_fields import make_case
 
-from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
+from crosscheck.contract.cases import CaseOutput, RankMetrics, TrainSettings
 from crosscheck.contract.optimizers import AdamWConfig, SGDConfig
 from crosscheck.contract.oracle import weighted_grad
 from crosscheck.fixtures.builtin import builtin_fixture
@@ -55,15 +56,7 @@ SKEW = 1.024
 
 
 def test_a_bf16_row_fails_on_a_skew_the_bf16_tolerance_lets_through():
-    case = Case(
-        impl="torch-ddp",
-        fixture="ragged",
-        scheme="token_mean",
-        strategy="precount",
-        world_size=2,
-        accum_steps=1,
-        dtype="bfloat16",
-    )
+    case = make_case(fixture="ragged", accum_steps=1, dtype="bfloat16")
     settings = TrainSettings().for_dtype("bfloat16")
     expected = oracle_run(case, settings)
     fixture = builtin_fixture("ragged")

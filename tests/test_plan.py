@@ -18,6 +18,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from case_fields import case_fields, make_case
+from json_keys import SKIP_KEYS
 
 import crosscheck.run.matrix as matrix
 from crosscheck.cli.commands import main
@@ -28,18 +30,6 @@ from crosscheck.run import jax_runner, torch_runner
 from crosscheck.run.implementations import IMPLEMENTATIONS
 from crosscheck.run.matrix import NEVER_REPORTED, run_matrix
 from crosscheck.run.plan import Plan, PlanError
-
-SKIP_KEYS = {
-    "check",
-    "impl",
-    "fixture",
-    "scheme",
-    "strategy",
-    "world_size",
-    "accum_steps",
-    "dtype",
-    "reason",
-}
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
@@ -108,15 +98,7 @@ def test_a_dtype_an_implementation_does_not_run_is_refused(no_process_may_start)
 @pytest.mark.parametrize("runner", [torch_runner, jax_runner])
 def test_each_runner_says_why_it_does_not_run_a_dtype(runner):
     impl = "torch-ddp" if runner is torch_runner else "jax-pmap"
-    case = Case(
-        impl=impl,
-        fixture="packed",
-        scheme="token_mean",
-        strategy="precount",
-        world_size=2,
-        accum_steps=1,
-        dtype="float16",
-    )
+    case = make_case(impl=impl, accum_steps=1, dtype="float16")
     assert "not float16" in runner.why_unsupported(case)
     assert runner.supports(case) is False
     assert runner.why_unsupported(Case(**{**_fields(case), "dtype": "float64"})) == ""
@@ -242,14 +224,7 @@ def test_a_fixture_the_resume_layouts_do_not_divide_is_listed():
 
 #: torch-ddp at R = 1 on packed: two vs-oracle cases (one to drop, one to report twice) and
 #: eight resume cases (four scenarios x two schemes), the smallest real run of both kinds.
-DROPPED = Case(
-    impl="torch-ddp",
-    fixture="packed",
-    scheme="sequence_mean",
-    strategy="precount",
-    world_size=1,
-    accum_steps=1,
-)
+DROPPED = make_case(scheme="sequence_mean", world_size=1, accum_steps=1)
 DOUBLED = Case(**{**_fields(DROPPED), "scheme": "token_mean"})
 
 
@@ -354,17 +329,8 @@ def test_an_oracle_that_raises_fails_every_oracle_row_with_the_error(monkeypatch
 
 
 def test_skipped_case_json_round_trips():
-    skip = SkippedCase(
-        check="vs-oracle",
-        impl="torch-fsdp2",
-        fixture="packed",
-        scheme="token_mean",
-        strategy="postnorm",
-        world_size=2,
-        accum_steps=1,
-        dtype="float64",
-        reason="r",
-    )
+    fields = case_fields(impl="torch-fsdp2", strategy="postnorm", accum_steps=1)
+    skip = SkippedCase(check="vs-oracle", reason="r", **fields)
     assert SkippedCase(**json.loads(json.dumps(skip.to_json()))) == skip
 
 

@@ -2,35 +2,24 @@
 
 The session's one run of the catalogue (tests/bug_outputs.py, through
 ``crosscheck.bugs.torch_bugs.run``: one launch per world size) carries every torch run of
-the catalogue and the rank-skew runs. Each run's second-window
-gradient is compared with a prediction built here from the numpy oracle (the intended
-gradient times the pattern's scale, or the accidental scheme it amounts to), and its logged
-denominator with the count the pattern defines, computed here from the fixture's arrays.
+the catalogue and the rank-skew runs. Each run's second-window gradient is compared with a
+prediction built here from the numpy oracle (the intended gradient times the pattern's scale,
+or the accidental scheme it amounts to), and its logged denominator with the count the
+pattern defines (the counts and scales: tests/bug_predictions.py, shared with test_jax_bugs).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable
-
 import numpy as np
 import pytest
-from bug_outputs import catalogue_outputs
+from bug_outputs import bug_output, judged_runs
+from bug_predictions import LOGGED_DENOMINATOR, TOKEN_MEAN_SCALE, counts
 
 from crosscheck.bugs import torch_bugs
-from crosscheck.bugs.catalogue_run import SKEW, SKEW_FIXTURE, SKEW_LAYOUT
 from crosscheck.contract.layout import IGNORE_INDEX
 from crosscheck.contract.optimizers import clip_by_global_norm
 from crosscheck.contract.oracle import loss_and_grad, weighted_grad
-from crosscheck.diagnosis.patterns import (
-    CLIP_PER_MICROBATCH_NORM,
-    PATTERNS,
-    RANK_SKEW,
-    BugOutput,
-    BugRun,
-    catalogue_runs,
-)
+from crosscheck.diagnosis.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS, RANK_SKEW, BugRun
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.clipping import microbatch_gradients
 from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
@@ -38,93 +27,14 @@ from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, tree_rel_err
 Grads = dict[str, np.ndarray]
 
 
-def _skew_run(dtype: str, skew: float) -> BugRun:
-    # The skew runs of crosscheck.bugs.catalogue_run (same fixture, layout and skews): the shared
-    # session run already holds them.
-    R, M = SKEW_LAYOUT
-    return BugRun(
-        pattern=RANK_SKEW,
-        framework="torch",
-        fixture=SKEW_FIXTURE,
-        world_size=R,
-        accum_steps=M,
-        dtype=dtype,
-        skew=skew,
-    )
-
-
-SKEW_RUNS = (_skew_run("float64", 1.0), _skew_run("float32", 1.0), _skew_run("float64", SKEW))
-RUNS = [*catalogue_runs(("torch",)), *SKEW_RUNS]
+CATALOGUE, SKEW_RUNS = judged_runs("torch")
+RUNS = [*CATALOGUE, *SKEW_RUNS]
 RTOL = {"float64": FLOAT64_RTOL, "float32": FLOAT32_RTOL}
-
-
-def outputs() -> dict[BugRun, BugOutput | BaseException]:
-    """The session's one run of every buggy step (tests/bug_outputs.py)."""
-    return catalogue_outputs()
-
-
-def output(bug_run: BugRun) -> BugOutput:
-    result = outputs()[bug_run]
-    if isinstance(result, BaseException):
-        raise AssertionError(f"{bug_run.describe()} failed: {result!r}") from result
-    return result
 
 
 def _ids(runs: list[BugRun]) -> list[str]:
     return [r.describe().replace(" ", "-") for r in runs]
 
-
-# --- the counts each pattern's text names, from the fixture's arrays --------------------------
-
-
-@functools.cache
-def counts(fixture_name: str, R: int, M: int) -> dict[str, float]:
-    fixture = builtin_fixture(fixture_name)
-    valid = fixture.targets != IGNORE_INDEX
-    N, T = valid.shape
-    per_microbatch = valid.reshape(R, M, N // (R * M), T)
-    return {
-        "D": float(valid.sum()),
-        "rows": float(valid.any(axis=1).sum()),
-        "attended": float((fixture.segment_ids > 0).sum()),
-        "slots": float(N * T),
-        "rank0": float(per_microbatch[0].sum()),
-        "rank0_last_microbatch": float(per_microbatch[0, M - 1].sum()),
-        "weight_total": math.fsum(fixture.weights[valid].tolist()),
-    }
-
-
-#: pattern -> its logged denominator from (counts, R): the `logged_denominator` of its text.
-EXPECTED_DENOMINATOR: dict[str, Callable[[dict[str, float], int], float]] = {
-    "rank-mean": lambda c, R: c["rank0"],
-    "microbatch-mean": lambda c, R: c["rank0_last_microbatch"],
-    "missing-world-size": lambda c, R: c["D"],
-    "double-world-size": lambda c, R: c["D"],
-    "double-accum-scale": lambda c, R: c["D"],
-    "double-accum-divide": lambda c, R: c["D"],
-    "unshifted-count": lambda c, R: c["D"] + c["rows"],
-    "attention-mask-count": lambda c, R: c["attended"],
-    "clip-per-microbatch": lambda c, R: c["D"],
-    "stale-count": lambda c, R: 2 * c["D"],
-    "double-reduce-count": lambda c, R: R * c["D"],
-    "packed-as-one": lambda c, R: c["rows"],
-    "padding-as-tokens": lambda c, R: c["slots"],
-    RANK_SKEW: lambda c, R: c["D"],
-    # float32-count: the float32 rounding of the weight total, checked on its own below.
-}
-
-#: pattern -> the factor on the intended token-mean gradient, from (counts, R, M).
-TOKEN_MEAN_SCALE: dict[str, Callable[[dict[str, float], int, int], float]] = {
-    "missing-world-size": lambda c, R, M: 1 / R,
-    "double-world-size": lambda c, R, M: R,
-    "double-accum-scale": lambda c, R, M: M,
-    "double-accum-divide": lambda c, R, M: 1 / M,
-    "double-reduce-count": lambda c, R, M: 1 / R,
-    "stale-count": lambda c, R, M: 1 / 2,
-    "padding-as-tokens": lambda c, R, M: c["D"] / c["slots"],
-    "unshifted-count": lambda c, R, M: c["D"] / (c["D"] + c["rows"]),
-    "attention-mask-count": lambda c, R, M: c["D"] / c["attended"],
-}
 
 #: pattern -> the oracle scheme its gradient is exactly.
 AS_SCHEME = {
@@ -189,14 +99,14 @@ def test_every_pattern_has_torch_runs_and_a_prediction() -> None:
     every = {*PATTERNS, RANK_SKEW}
     assert set(WINDOW_STEPS) == every
     assert {r.pattern for r in RUNS} == every
-    assert {*EXPECTED_DENOMINATOR, "float32-count"} == every
+    assert {*LOGGED_DENOMINATOR, "float32-count"} == every
     predicted = {*TOKEN_MEAN_SCALE, *AS_SCHEME, "float32-count", "clip-per-microbatch", RANK_SKEW}
     assert predicted == every
 
 
 @pytest.mark.parametrize("bug_run", RUNS, ids=_ids(RUNS))
 def test_gradient_is_finite(bug_run: BugRun) -> None:
-    out = output(bug_run)
+    out = bug_output(bug_run)
     fixture = builtin_fixture(bug_run.fixture)
     assert set(out.grads) == {"embed", "unembed"}
     assert out.grads["embed"].shape == fixture.embed.shape
@@ -210,7 +120,7 @@ def test_gradient_is_finite(bug_run: BugRun) -> None:
 @pytest.mark.parametrize("bug_run", RUNS, ids=_ids(RUNS))
 def test_logged_denominator(bug_run: BugRun) -> None:
     c = counts(bug_run.fixture, bug_run.world_size, bug_run.accum_steps)
-    logged = output(bug_run).logged_denominator
+    logged = bug_output(bug_run).logged_denominator
     if bug_run.pattern == "float32-count":
         # The exact total is an odd integer past 2^24, which no float32 holds: the logged
         # value is a float32, off the total by float32 rounding of a few hundred additions.
@@ -218,13 +128,13 @@ def test_logged_denominator(bug_run: BugRun) -> None:
         assert logged != c["weight_total"]
         assert abs(logged - c["weight_total"]) <= 1e-4 * c["weight_total"]
         return
-    expected = EXPECTED_DENOMINATOR[bug_run.pattern](c, bug_run.world_size)
+    expected = LOGGED_DENOMINATOR[bug_run.pattern](c, bug_run.world_size)
     assert logged == expected, f"{bug_run.describe()}: logged {logged!r}, expected {expected!r}"
 
 
 @pytest.mark.parametrize("bug_run", RUNS, ids=_ids(RUNS))
 def test_gradient_matches_the_pattern(bug_run: BugRun) -> None:
-    out = output(bug_run)
+    out = bug_output(bug_run)
     expected = predicted_grads(bug_run, out.logged_denominator)
     err = tree_rel_err(out.grads, expected)
     assert err.max_rel_err <= RTOL[bug_run.dtype], f"{bug_run.describe()}: {err.describe()}"
@@ -235,7 +145,7 @@ def test_rank_skew_against_the_oracle(bug_run: BugRun) -> None:
     """skew 1 is the correct step (the oracle's token mean); skew 1.01 is visibly not."""
     fixture = builtin_fixture(bug_run.fixture)
     oracle = loss_and_grad(fixture, "token_mean", bug_run.world_size, bug_run.accum_steps)
-    err = tree_rel_err(output(bug_run).grads, oracle.grads).max_rel_err
+    err = tree_rel_err(bug_output(bug_run).grads, oracle.grads).max_rel_err
     if bug_run.skew == 1.0:
         assert err <= RTOL[bug_run.dtype], f"{bug_run.describe()}: {err:.3e}"
     else:
@@ -251,7 +161,7 @@ def test_clip_per_microbatch_is_not_clip_after(bug_run: BugRun) -> None:
     fixture = builtin_fixture(bug_run.fixture)
     oracle = loss_and_grad(fixture, "token_mean", bug_run.world_size, bug_run.accum_steps)
     after, _ = clip_by_global_norm(oracle.grads, CLIP_PER_MICROBATCH_NORM, "torch")
-    err = tree_rel_err(output(bug_run).grads, after).max_rel_err
+    err = tree_rel_err(bug_output(bug_run).grads, after).max_rel_err
     assert err > 1e-3, f"{bug_run.describe()}: per-microbatch clipping looks like clip-after"
 
 
@@ -260,7 +170,7 @@ def test_clip_per_microbatch_differs_from_the_intended_gradient(bug_run: BugRun)
     """The catalogue's layouts must make the clipping bite, or the bug is invisible."""
     fixture = builtin_fixture(bug_run.fixture)
     oracle = loss_and_grad(fixture, "token_mean", bug_run.world_size, bug_run.accum_steps)
-    err = tree_rel_err(output(bug_run).grads, oracle.grads).max_rel_err
+    err = tree_rel_err(bug_output(bug_run).grads, oracle.grads).max_rel_err
     assert err > 1e-3, (
         f"{bug_run.describe()}: no microbatch norm exceeds {CLIP_PER_MICROBATCH_NORM}, the "
         f"step is the intended one (relative difference {err:.3e})"

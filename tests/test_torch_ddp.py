@@ -10,23 +10,14 @@ norm before and after clipping; and that every rank holds bit-identical gradient
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
 import pytest
-from torch_world import (
-    ADAMW,
-    MAX_GRAD_NORM,
-    NUM_UPDATES,
-    WORLD_SIZES,
-    MatrixCase,
-    matrix,
-    world_results,
-)
+from torch_world import WORLD_SIZES, MatrixCase, matrix, oracle_updates, world_results
 
-from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, builtin_fixture
-from crosscheck.contract.optimizers import UpdateRecord, train
+from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close
+from crosscheck.contract.optimizers import UpdateRecord
 
 # Gradients: docs/contract.md's tolerances (crosscheck.judge.compare explains them: float64 admits
 # only rounding of a few reductions, measured <= 1e-14 here; float32 admits ~1e-6 accumulated
@@ -42,21 +33,6 @@ PARAM_RTOL = {"float64": FLOAT64_RTOL, "float32": FLOAT32_RTOL}
 SCALAR_RTOL = GRAD_RTOL
 
 ALL_CASES = [case for world_size in WORLD_SIZES for case in matrix(world_size)]
-
-
-@functools.cache
-def oracle_updates(fixture: str, scheme: str, world_size: int, accum_steps: int):
-    """The oracle's NUM_UPDATES AdamW updates, clipped the way clip_grad_norm_ clips."""
-    return train(
-        builtin_fixture(fixture),
-        scheme,
-        world_size,
-        accum_steps,
-        num_updates=NUM_UPDATES,
-        optimizer=ADAMW,
-        max_grad_norm=MAX_GRAD_NORM,
-        clip_convention="torch",
-    )
 
 
 def assert_close(actual: float, expected: float, rtol: float, what: str) -> None:

@@ -18,12 +18,14 @@ hook, FSDP2 precount) on R = 2 gloo processes, all in one launch, and check:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import numpy as np
 import pytest
 import torch
+from resume_grid import resume_case
 from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck import FLOAT32_RTOL, FLOAT64_RTOL, Fixture, assert_tree_close, builtin_fixture
@@ -86,15 +88,11 @@ def seed_899() -> Fixture:
     row = 1
     position = int(np.flatnonzero(targets[row] != IGNORE_INDEX)[-1])
     targets[row, position] = IGNORE_INDEX
-    return Fixture(
+    return dataclasses.replace(
+        base,
         name="seed-899",
         description="seed with rank 1 holding 899 valid targets, not a bf16 number",
-        inputs=base.inputs,
         targets=targets,
-        segment_ids=base.segment_ids,
-        weights=base.weights,
-        embed=base.embed,
-        unembed=base.unembed,
     )
 
 
@@ -112,6 +110,10 @@ DEDUP_STRATEGIES = ["precount", "postnorm"]
 DEDUP_DTYPES = ["float64", "float32"]
 
 
+#: Every case of the module: one SGD update, unclipped (the tests read its gradient and D).
+ONE_SGD_UPDATE = {"optimizer": SGD, "num_updates": 1, "max_grad_norm": None}
+
+
 def label(fixture: str, scheme: str, strategy: str, front_end: str, dtype: str) -> str:
     return f"{fixture}-{scheme}-{strategy}-{front_end}-{dtype}"
 
@@ -124,14 +126,12 @@ def _case(
         label=label(fixture, scheme, strategy, front_end, dtype),
         batch={key: np.asarray(getattr(fx, key)) for key in BATCH_KEYS},
         params=fx.params(),
+        **ONE_SGD_UPDATE,
         scheme=scheme,
         strategy=strategy,
         accum_steps=accum_steps,
-        optimizer=SGD,
         dtype=dtype,
         front_end=front_end,
-        num_updates=1,
-        max_grad_norm=None,
     )
 
 
@@ -274,44 +274,32 @@ def test_bf16_mean_loss_divides_by_the_exact_count() -> None:
         )
 
 
+#: dtype -> the gradient tolerance of the dedup runs.
+DEDUP_GRAD_RTOL = {"float64": FLOAT64_GRAD_RTOL, "float32": FLOAT32_GRAD_RTOL}
+
+
+@pytest.mark.parametrize("dtype", DEDUP_DTYPES)
 @pytest.mark.parametrize("strategy", DEDUP_STRATEGIES)
 @pytest.mark.parametrize(("fixture", "accum_steps"), DEDUP_RUNS)
-def test_float64_denominator_past_two_to_the_24(
-    fixture: str, accum_steps: int, strategy: str
+def test_denominator_past_two_to_the_24(
+    fixture: str, accum_steps: int, strategy: str, dtype: str
 ) -> None:
-    """float64, weighted_mean with integer weights summing past 2^24: D and gradient exact."""
+    """weighted_mean with integer weights summing past 2^24: D exact and the gradient within the
+    dtype's tolerance. float64: every partial sum is an integer below 2^53, so D is exact;
+    float32 params: D stays exact too (precount: float64 slots; postnorm: limbs)."""
     fx = builtin_fixture(fixture)
     oracle = loss_and_grad(fx, "weighted_mean", WORLD_SIZE, accum_steps)
     assert oracle.denominator > TWO_TO_24 and oracle.denominator == numpy_weight_sum(fx)
-    name = label(fixture, "weighted_mean", strategy, "ddp", "float64")
-    for output in results()[0][name]:
-        metrics = output.updates[0].metrics
-        what = f"{name}, rank {output.rank}"
-        # Integer weights: every partial sum is an integer below 2^53, so D is exact.
-        assert metrics.global_denominator == oracle.denominator, (
-            f"{what}: D = {metrics.global_denominator!r}, the oracle's is {oracle.denominator!r}"
-        )
-        assert_tree_close(output.updates[0].grads, oracle.grads, FLOAT64_GRAD_RTOL, what)
-
-
-@pytest.mark.parametrize("strategy", DEDUP_STRATEGIES)
-@pytest.mark.parametrize(("fixture", "accum_steps"), DEDUP_RUNS)
-def test_float32_denominator_past_two_to_the_24(
-    fixture: str, accum_steps: int, strategy: str
-) -> None:
-    """float32 params: D past 2^24 stays exact (precount: float64 slots; postnorm: limbs)."""
-    fx = builtin_fixture(fixture)
-    oracle = loss_and_grad(fx, "weighted_mean", WORLD_SIZE, accum_steps)
     # Odd totals: no float32 number equals them, so any float32 rounding of D shows.
-    assert oracle.denominator > TWO_TO_24 and oracle.denominator % 2 == 1
-    name = label(fixture, "weighted_mean", strategy, "ddp", "float32")
+    assert oracle.denominator % 2 == 1
+    name = label(fixture, "weighted_mean", strategy, "ddp", dtype)
     for output in results()[0][name]:
         metrics = output.updates[0].metrics
         what = f"{name}, rank {output.rank}"
         assert metrics.global_denominator == oracle.denominator, (
             f"{what}: D = {metrics.global_denominator!r}, the oracle's is {oracle.denominator!r}"
         )
-        assert_tree_close(output.updates[0].grads, oracle.grads, FLOAT32_GRAD_RTOL, what)
+        assert_tree_close(output.updates[0].grads, oracle.grads, DEDUP_GRAD_RTOL[dtype], what)
 
 
 def test_float32_postnorm_divides_by_the_exact_denominator() -> None:
@@ -396,20 +384,11 @@ def test_bf16_resume_inside_an_update_is_exact(strategy: str) -> None:
     the partial bf16 gradient as it was; at R = 2 every all-reduce adds two numbers, which no
     reordering can change. So nothing may differ: a partial d saved in bf16 would move D.
     """
-    case = ResumeCase(
-        impl="torch-ddp",
-        fixture="soft-weights",
-        scheme="weighted_mean",
-        strategy=strategy,
-        world_size=WORLD_SIZE,
-        accum_steps=2,
-        resume_world_size=WORLD_SIZE,
-        resume_accum_steps=2,
-        stop_after_updates=1,
-        stop_after_microbatches=1,
-        num_updates=3,
-        dtype="bfloat16",
+    layout = (WORLD_SIZE, 2)
+    case = resume_case(
+        "torch-ddp", "soft-weights", "weighted_mean", strategy, (layout, 1, layout), "bfloat16"
     )
+    assert case.num_updates == 3
     reports: dict[ResumeCase, ResumeOutput | BaseException] = {}
     run_resume([case], TrainSettings(num_updates=3), reports.__setitem__)
     output = reports[case]

@@ -34,6 +34,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -111,6 +112,21 @@ def wait_for(paths: list[Path], timeout_s: float = 60.0) -> None:
     while not all(p.exists() for p in paths):
         assert time.monotonic() < deadline, f"never appeared: {[str(p) for p in paths]}"
         time.sleep(0.05)
+
+
+def _launch_in_thread(fn, args: tuple) -> tuple[threading.Thread, list[BaseException]]:
+    """`launch(fn, 2, args)` running in a thread of its own; what it raises lands in the list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            launch(fn, 2, args, timeout_s=120)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
 
 
 def _one(rank: int, world_size: int) -> tuple[int, int]:
@@ -314,16 +330,7 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_exact(tmp_path) ->
     # Saving B (after update 2) dies: rank 1 is SIGKILLed, from outside, inside its file.
     ready = tmp_path / "rank1-writing"
     save_b = _case("save B", resume_from=str(first), stop_after_updates=2, save_to=str(second))
-    errors: list[BaseException] = []
-
-    def run_save() -> None:
-        try:
-            launch(_save_stalls_on_rank_1, 2, (save_b, str(ready)), timeout_s=120)
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=run_save)
-    thread.start()
+    thread, errors = _launch_in_thread(_save_stalls_on_rank_1, (save_b, str(ready)))
     wait_for([ready])
     os.kill(int(ready.read_text()), signal.SIGKILL)
     thread.join(timeout=30)
@@ -393,39 +400,54 @@ def _hang_with_children(rank: int, world_size: int, duration: str, ready_dir: st
     time.sleep(600)
 
 
-def test_terminate_all_stops_launches_their_children_and_the_servers(tmp_path) -> None:
+class _HangingLaunch(NamedTuple):
+    """A 2-rank launch of `_hang_with_children` running in a thread, both ranks up."""
+
+    duration: str  # the marker of the ranks' `sleep` children
+    thread: threading.Thread
+    errors: list[BaseException]  # what the launch raised
+    ranks: list[int]  # the ranks' pids
+
+
+def _start_hanging_launch(tmp_path: Path) -> _HangingLaunch:
     duration = f"600.{secrets.randbelow(10**12):012d}"
-    errors: list[BaseException] = []
-
-    def run_launch() -> None:
-        try:
-            launch(_hang_with_children, 2, (duration, str(tmp_path)), timeout_s=120)
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=run_launch)
-    thread.start()
+    thread, errors = _launch_in_thread(_hang_with_children, (duration, str(tmp_path)))
     wait_for([tmp_path / "rank0", tmp_path / "rank1"])
     ranks = [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)]
-    # The resource tracker is stopped only if a launch started it (one may predate them all).
-    servers = [
-        p for p in (rank_processes._SERVER._forkserver_pid, rank_processes._tracker_pid) if p
-    ]
-    assert len(marked(duration)) == 4 and rank_processes._SERVER._forkserver_pid in servers
+    return _HangingLaunch(duration, thread, errors, ranks)
 
+
+def _servers() -> list[int]:
+    """The fork server's and the resource tracker's pids, of those that run. The tracker is
+    stopped only if a launch started it (one may predate them all)."""
+    return [p for p in (rank_processes._SERVER._forkserver_pid, rank_processes._tracker_pid) if p]
+
+
+def _assert_terminate_all_stops(hanging: _HangingLaunch, servers: list[int]) -> None:
+    """`terminate_all` from this thread ends the launch, what its ranks started and `servers`
+    within 5 s; the launch raises LaunchStoppedError; a second call finds nothing to stop."""
     start = time.monotonic()
     signalled = launcher.terminate_all()
     elapsed = time.monotonic() - start
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    hanging.thread.join(timeout=10)
+    assert not hanging.thread.is_alive()
     # Two ranks and their four sleeps (SIGTERM ends them at once), the fork server, the tracker.
     assert signalled == 6 + len(servers)
     assert elapsed < 5.0, f"took {elapsed:.1f} s"
+    errors = hanging.errors
     assert len(errors) == 1 and isinstance(errors[0], LaunchStoppedError), errors
     assert str(errors[0]) == "the launch was stopped by terminate_all()"
-    assert alive(ranks + servers) == []
-    assert marked(duration) == []
+    assert alive(hanging.ranks + servers) == []
+    assert marked(hanging.duration) == []
     assert launcher.terminate_all() == 0  # idempotent
+
+
+def test_terminate_all_stops_launches_their_children_and_the_servers(tmp_path) -> None:
+    hanging = _start_hanging_launch(tmp_path)
+    servers = _servers()
+    assert len(marked(hanging.duration)) == 4
+    assert rank_processes._SERVER._forkserver_pid in servers
+    _assert_terminate_all_stops(hanging, servers)
     # The next launch starts a fork server (and tracker) of its own.
     assert launch(_one, 2) == [(0, 2), (1, 2)]
 
@@ -499,34 +521,9 @@ def test_no_forkserver_start_method_means_spawned_ranks_and_terminate_all_stops_
     )
     assert launcher.start_method() == "spawn"
 
-    duration = f"600.{secrets.randbelow(10**12):012d}"
-    errors: list[BaseException] = []
-
-    def run_launch() -> None:
-        try:
-            launch(_hang_with_children, 2, (duration, str(tmp_path)), timeout_s=120)
-        except BaseException as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=run_launch)
-    thread.start()
-    wait_for([tmp_path / "rank0", tmp_path / "rank1"])
-    ranks = [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)]
-    assert [_parent(pid) for pid in ranks] == [os.getpid()] * 2  # spawned, not forked
-    servers = [
-        p for p in (rank_processes._SERVER._forkserver_pid, rank_processes._tracker_pid) if p
-    ]
-    assert len(marked(duration)) == 4
-
-    start = time.monotonic()
-    signalled = launcher.terminate_all()
-    elapsed = time.monotonic() - start
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    assert signalled == 6 + len(servers)
-    assert elapsed < 5.0, f"took {elapsed:.1f} s"
-    assert len(errors) == 1 and isinstance(errors[0], LaunchStoppedError), errors
-    assert str(errors[0]) == "the launch was stopped by terminate_all()"
-    assert alive(ranks + servers) == []
-    assert marked(duration) == []
-    assert launcher.terminate_all() == 0
+    hanging = _start_hanging_launch(tmp_path)
+    # Spawned, not forked: children of this process.
+    assert [_parent(pid) for pid in hanging.ranks] == [os.getpid()] * 2
+    servers = _servers()
+    assert len(marked(hanging.duration)) == 4
+    _assert_terminate_all_stops(hanging, servers)

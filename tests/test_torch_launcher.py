@@ -77,16 +77,23 @@ def _interrupted_update(rank: int, world_size: int, how: str) -> None:
     )
 
 
-def test_rank_that_raises_mid_update_is_named() -> None:
+def _rank_1_fails(how: str) -> RankFailedError:
+    """The error of a 2-rank update whose rank 1 fails `how` after microbatch 0's backward; it
+    must come within FAILURE_BOUND_S."""
     start = time.monotonic()
     with pytest.raises(RankFailedError) as failure:
-        launch(_interrupted_update, 2, ("raise",), timeout_s=120)
+        launch(_interrupted_update, 2, (how,), timeout_s=120)
     elapsed = time.monotonic() - start
-    assert failure.value.rank == 1
-    message = str(failure.value)
+    assert elapsed < FAILURE_BOUND_S, f"took {elapsed:.1f} s"
+    return failure.value
+
+
+def test_rank_that_raises_mid_update_is_named() -> None:
+    error = _rank_1_fails("raise")
+    assert error.rank == 1
+    message = str(error)
     assert message.startswith("rank 1 failed")
     assert "RuntimeError: injected failure after microbatch 0's backward" in message
-    assert elapsed < FAILURE_BOUND_S, f"took {elapsed:.1f} s"
 
 
 def test_bad_input_is_named_through_the_launcher() -> None:
@@ -100,14 +107,10 @@ def test_bad_input_is_named_through_the_launcher() -> None:
 
 
 def test_rank_that_dies_silently_is_named() -> None:
-    start = time.monotonic()
-    with pytest.raises(RankFailedError) as failure:
-        launch(_interrupted_update, 2, ("exit",), timeout_s=120)
-    elapsed = time.monotonic() - start
+    error = _rank_1_fails("exit")
     # Rank 0 then fails in the all-reduce; the root cause is still rank 1.
-    assert failure.value.rank == 1
-    assert "exited with code 3 without reporting a result" in str(failure.value)
-    assert elapsed < FAILURE_BOUND_S, f"took {elapsed:.1f} s"
+    assert error.rank == 1
+    assert "exited with code 3 without reporting a result" in str(error)
 
 
 def test_hung_rank_hits_the_launch_deadline() -> None:

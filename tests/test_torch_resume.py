@@ -1,13 +1,10 @@
 """Checkpoint resume of the torch reference: stop, save, restart in fresh processes, continue.
 
-The grid (every case runs three AdamW updates with clipping, float64) stops after update 1, or
-inside update 2 after some of its microbatches, saves a checkpoint, resumes in a fresh launch,
-and compares the params after update 3 with an uninterrupted run's and with the oracle's:
-
-    (a) stop between updates at (R, M) = (2, 2), resume at (2, 2);
-    (b) stop inside update 2 after 1 microbatch at (2, 2), and after 1 and after 3 at (1, 4);
-        resume at the same layout;
-    (c) stop between updates at (2, 2), resume at (4, 1) and at (1, 4) (same global batch).
+Every case of the resume grid (tests/resume_grid.py, the JAX reference's grid too) runs three
+AdamW updates with clipping in float64, stops after update 1 or inside update 2 after some of
+its microbatches, saves a checkpoint, resumes in a fresh launch (at the same layout, or between
+updates at another layout of the same global batch), and compares the params after update 3
+with an uninterrupted run's and with the oracle's.
 
 It runs through the harness's `run_resume` (crosscheck.run.torch_runner): one round of
 launches to stop (one per world size: 1, 2), one to resume (1, 2, 4). Spawning ranks is most of
@@ -21,7 +18,6 @@ mid-accumulation checkpoint refuses another layout.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import io
 import json
@@ -31,11 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch_world import ADAMW, MAX_GRAD_NORM, adamw_spec
+from resume_grid import NUM_UPDATES, SCENARIOS, STRATEGIES, resume_case, resume_grid
+from torch_world import ADAMW, MAX_GRAD_NORM, adamw_spec, oracle_updates
 
 from crosscheck import FLOAT64_RTOL, assert_tree_close, builtin_fixture, tree_rel_err
 from crosscheck.contract.cases import ResumeCase, ResumeOutput, TrainSettings
-from crosscheck.contract.optimizers import train
 from crosscheck.run.torch_runner import run_resume
 from torch_impl import checkpoint
 from torch_impl.checkpoint import CheckpointError, latest_checkpoint, save_checkpoint
@@ -45,46 +41,8 @@ from torch_impl.optimizers import make_optimizer
 from torch_impl.partial import PartialAccumulation
 from torch_impl.resume import load_checkpoint, restore
 
-NUM_UPDATES = 3
-FIXTURES = ("packed", "ragged")
-SCHEMES = ("token_mean", "sequence_mean", "weighted_mean")
-STRATEGIES = ("precount", "postnorm")
-#: (stop layout, microbatches of update 2 done at the stop, resume layout)
-SCENARIOS = (
-    ((2, 2), 0, (2, 2)),
-    ((2, 2), 1, (2, 2)),
-    ((1, 4), 1, (1, 4)),
-    ((1, 4), 3, (1, 4)),
-    ((2, 2), 0, (4, 1)),
-    ((2, 2), 0, (1, 4)),
-)
 SETTINGS = TrainSettings(num_updates=NUM_UPDATES, optimizer=ADAMW, max_grad_norm=MAX_GRAD_NORM)
-
-
-def resume_case(fixture: str, scheme: str, strategy: str, scenario: tuple) -> ResumeCase:
-    (R, M), j, (R2, M2) = scenario
-    return ResumeCase(
-        impl="torch-ddp",
-        fixture=fixture,
-        scheme=scheme,
-        strategy=strategy,
-        world_size=R,
-        accum_steps=M,
-        resume_world_size=R2,
-        resume_accum_steps=M2,
-        stop_after_updates=1,
-        stop_after_microbatches=j,
-        num_updates=NUM_UPDATES,
-    )
-
-
-GRID = [
-    resume_case(fixture, scheme, strategy, scenario)
-    for fixture in FIXTURES
-    for scheme in SCHEMES
-    for strategy in STRATEGIES
-    for scenario in SCENARIOS
-]
+GRID = resume_grid("torch-ddp")
 
 
 def case_id(case: ResumeCase) -> str:
@@ -107,7 +65,9 @@ def _drop_sums(state: dict) -> None:
 
 #: Stopped at (1, 4) after update 1 + 1 microbatch. precount's partial sums only feed the
 #: logged objective (its D is recomputed from labels), so only postnorm's can be dropped.
-MUTANT_SOURCE = {s: resume_case("ragged", "token_mean", s, SCENARIOS[2]) for s in STRATEGIES}
+MUTANT_SOURCE = {
+    s: resume_case("torch-ddp", "ragged", "token_mean", s, SCENARIOS[2]) for s in STRATEGIES
+}
 MUTANTS = {
     ("precount", "no-partial-grad"): _drop_grads,
     ("postnorm", "no-partial-grad"): _drop_grads,
@@ -182,22 +142,6 @@ def resumed(tmp_path_factory):
     return outputs, mutated
 
 
-@functools.cache
-def oracle_params(fixture: str, scheme: str, world_size: int, accum_steps: int):
-    """The oracle's params after NUM_UPDATES updates, clipped the way clip_grad_norm_ clips."""
-    records = train(
-        builtin_fixture(fixture),
-        scheme,
-        world_size,
-        accum_steps,
-        num_updates=NUM_UPDATES,
-        optimizer=ADAMW,
-        max_grad_norm=MAX_GRAD_NORM,
-        clip_convention="torch",
-    )
-    return records[-1].params
-
-
 @pytest.mark.parametrize("case", GRID, ids=case_id)
 def test_resume_matches_uninterrupted_and_oracle(resumed, case: ResumeCase) -> None:
     output = resumed[0][case]
@@ -212,7 +156,11 @@ def test_resume_matches_uninterrupted_and_oracle(resumed, case: ResumeCase) -> N
     assert_tree_close(
         output.resumed, output.uninterrupted, FLOAT64_RTOL, f"{what} vs uninterrupted"
     )
-    expected = oracle_params(case.fixture, case.scheme, case.world_size, case.accum_steps)
+    # The oracle's params after NUM_UPDATES AdamW updates, clipped as clip_grad_norm_ clips.
+    records = oracle_updates(
+        case.fixture, case.scheme, case.world_size, case.accum_steps, NUM_UPDATES
+    )
+    expected = records[-1].params
     assert_tree_close(output.resumed, expected, FLOAT64_RTOL, f"{what} vs oracle")
 
 
@@ -233,7 +181,7 @@ def test_dropped_partial_state_misses(resumed, mutant: tuple[str, str]) -> None:
 
 
 def test_cases_the_reference_cannot_resume_are_reported_not_run() -> None:
-    base = resume_case("ragged", "token_mean", "precount", SCENARIOS[0])
+    base = resume_case("torch-ddp", "ragged", "token_mean", "precount", SCENARIOS[0])
     unsupported = [
         dataclasses.replace(base, impl="torch-fsdp2"),
         dataclasses.replace(base, scheme="rank_mean"),

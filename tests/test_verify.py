@@ -8,9 +8,9 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from child_env import ROOT
 
 from crosscheck.verification.verifier import (
     DEFAULT_FIXTURES,
@@ -19,8 +19,6 @@ from crosscheck.verification.verifier import (
     assert_weighting,
     verify,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 #: example -> (framework, passes token_mean?, diagnosis on a layout with R > 1 and M > 1)
 EXAMPLES = {
@@ -102,28 +100,15 @@ def test_example_through_the_cli(step, tmp_path):
 def test_broken_steps_get_a_clear_error_in_bounded_time(framework, tmp_path):
     """A step that does not exist is refused up front, once; one whose module raises at
     import is reported by name for its cases, never a hang and never a mismatch."""
+    one_case = {"fixtures": ["packed"], "world_sizes": [2], "accum_steps": [1], "timeout_s": 60}
     started = time.monotonic()
     with pytest.raises(StepSetupError, match=r"no module named 'examples\.no_such_module'"):
-        verify(
-            "examples.no_such_module:step",
-            framework=framework,
-            scheme="token_mean",
-            fixtures=["packed"],
-            world_sizes=[2],
-            accum_steps=[1],
-            timeout_s=60,
-        )
+        verify("examples.no_such_module:step", framework=framework, scheme="token_mean", **one_case)
     # Refused before any process starts: one short check, not a launch (seconds, not 7-15 s).
     assert time.monotonic() - started < 10
     with contextlib.chdir(ROOT / "tests"):
         report = verify(
-            "verify_broken_step:step",
-            framework=framework,
-            scheme="token_mean",
-            fixtures=["packed"],
-            world_sizes=[2],
-            accum_steps=[1],
-            timeout_s=60,
+            "verify_broken_step:step", framework=framework, scheme="token_mean", **one_case
         )
     assert not report.ok
     assert report.to_json()["diagnosis"]["best_match"] == "error"

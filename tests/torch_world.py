@@ -10,7 +10,7 @@ per-rank outputs for the session; the test modules then compare them with the or
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from crosscheck import (
     builtin_fixture,
 )
 from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.contract.optimizers import OptimizerConfig, UpdateRecord, train
 from torch_impl.harness.cases import CaseOutput, UpdateCase, run_cases
 from torch_impl.harness.launcher import launch
 from torch_impl.optimizers import OptimizerSpec
@@ -39,6 +40,30 @@ SGD = SGDConfig()
 MAX_GRAD_NORM = 0.3
 #: Every launch must finish within this: the largest (R = 4) runs in well under a minute.
 LAUNCH_TIMEOUT_S = 240.0
+
+
+@functools.cache
+def oracle_updates(
+    fixture: str,
+    scheme: str,
+    world_size: int,
+    accum_steps: int,
+    num_updates: int = NUM_UPDATES,
+    optimizer: OptimizerConfig = ADAMW,
+    max_grad_norm: float = MAX_GRAD_NORM,
+) -> list[UpdateRecord]:
+    """The oracle's `num_updates` updates of a built-in fixture, clipped the way torch's
+    clip_grad_norm_ clips (AdamW and MAX_GRAD_NORM unless told otherwise)."""
+    return train(
+        builtin_fixture(fixture),
+        scheme,
+        world_size,
+        accum_steps,
+        num_updates=num_updates,
+        optimizer=optimizer,
+        max_grad_norm=max_grad_norm,
+        clip_convention="torch",
+    )
 
 
 def adamw_spec(config: AdamWConfig = ADAMW) -> OptimizerSpec:
@@ -110,15 +135,11 @@ def batch_of(fixture: Fixture) -> dict[str, np.ndarray]:
 def no_loss_fixture() -> Fixture:
     """`ragged` with every target ignored: D = 0 for every mean scheme; the gradient is 0."""
     base = builtin_fixture("ragged")
-    return Fixture(
+    return replace(
+        base,
         name="no-loss",
         description="no token carries a loss anywhere in the update",
-        inputs=base.inputs,
         targets=np.full_like(base.targets, IGNORE_INDEX),
-        segment_ids=base.segment_ids,
-        weights=base.weights,
-        embed=base.embed,
-        unembed=base.unembed,
     )
 
 

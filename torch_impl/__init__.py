@@ -3,14 +3,15 @@
 Per-scheme losses that return (sum of a_t l_t, d) per microbatch, one optimizer update under
 DistributedDataParallel with accumulation in two strategies (precount: all-reduce d first and
 backpropagate with s / D; postnorm: a comm hook that sums gradients and carries d in the same
-all-reduce), a probe that measures the reduce factor s, and a launcher that runs R real gloo
-processes with bounded waits. Atomic per-rank checkpoints (``torch_impl.checkpoint``) stop a
-run after an update or inside its accumulation window, and ``torch_impl.resume`` continues it
-in fresh processes, between updates possibly at another world size. The params may be float64,
-float32 or bfloat16; every count, d, D, weight sum and logged loss sum stays float64 and the
-division by D is taken in float64 before the cast (``schemes.accumulation_dtype``). FSDP2 lives in
-``torch_impl.fsdp`` (imported on demand: it pulls in DTensor). Written independently of the
-numpy oracle and of jax_impl.
+all-reduce; ``torch_impl.update``, guarded by ``torch_impl.guards`` and ended by
+``torch_impl.optimizer_step``: clip, step, record), a probe that measures the reduce factor s,
+and a launcher that runs R real gloo processes with bounded waits. Atomic per-rank checkpoints
+(``torch_impl.checkpoint``) stop a run after an update or inside its accumulation window, and
+``torch_impl.resume`` continues it in fresh processes, between updates possibly at another world
+size. The params may be float64, float32 or bfloat16; every count, d, D, weight sum and logged
+loss sum stays float64 and the division by D is taken in float64 before the cast
+(``schemes.accumulation_dtype``). FSDP2 lives in ``torch_impl.fsdp`` (imported on demand: it
+pulls in DTensor). Written independently of the numpy oracle and of jax_impl.
 """
 
 from torch_impl.batch import IGNORE_INDEX, BatchError, TokenBatch, rank_microbatches
@@ -19,18 +20,13 @@ from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.harness.launcher import LaunchTimeoutError, RankFailedError, launch
 from torch_impl.mean_loss import accumulate_mean_loss
 from torch_impl.model import BilinearLM
+from torch_impl.optimizer_step import UpdateMetrics, clip_and_step
 from torch_impl.optimizers import OptimizerSpec, make_optimizer
 from torch_impl.partial import PartialAccumulation
 from torch_impl.probe import ReductionPath, probe_ddp, probe_reduction
 from torch_impl.resume import load_checkpoint, restore
 from torch_impl.schemes import SCHEMES, MicrobatchLoss, WeightingScheme, get_scheme, microbatch_loss
-from torch_impl.update import (
-    UpdateMetrics,
-    accumulate_partial,
-    accumulate_postnorm,
-    accumulate_precount,
-    clip_and_step,
-)
+from torch_impl.update import accumulate_partial, accumulate_postnorm, accumulate_precount
 
 __all__ = [
     "IGNORE_INDEX",

@@ -22,7 +22,7 @@ postnorm
     every rank's d in the same all-reduce (``torch_impl.comm_hooks``); divide by D afterwards.
 
 Then clipping by the global norm of the fully accumulated, fully reduced gradient, never per
-microbatch (docs/bugs.md clip-per-microbatch, transformers#986), and the optimizer step.
+microbatch, the optimizer step and the update's record (``torch_impl.optimizer_step``).
 
 Whatever the params' dtype (float64, float32, bf16), the numbers that make D never take it:
 counts are ints, d, D and the loss sums float64 (``schemes.accumulation_dtype``), carried
@@ -35,26 +35,17 @@ later, in fresh processes, from a ``PartialAccumulation`` plus the restored loca
 (``resume=``): the checkpoint resume of ``torch_impl.checkpoint``. Both paths run the same
 microbatch loop in the same order, so a resumed update is the uninterrupted one, bit for bit.
 
-Before anything else, every update runs a pre-check (``_precheck``): each rank validates its
-microbatches, then one small all-reduce, waited on for at most ``PRECHECK_TIMEOUT_S``, tells
-every rank whether every batch was valid and how many microbatches each rank holds. A bad
-token is then reported on every rank (its rank, microbatch, row and position), and ranks
-given different numbers of microbatches fail with ``RankMismatchError`` naming every rank's
-count, instead of one rank stopping while the others wait in a collective for it.
-
-Inside the loop, each microbatch's loss sum is checked before its backward (a float the loop
-reads anyway) and the gradients after it (one ``isfinite`` reduction over the parameters): the
-first NaN or inf raises ``NonFiniteError`` naming the rank and microbatch where it appeared,
-and whether the params themselves hold one.
+Before anything else, every update runs a pre-check, and inside the loop every loss sum and
+gradient is checked for NaN and inf (``torch_impl.guards``): bad input, ranks holding different
+numbers of microbatches and the first non-finite value are each named where they are, on
+every rank, instead of one rank stopping while the others wait in a collective for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import math
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -62,10 +53,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_impl.batch import BatchError, TokenBatch
+from torch_impl.batch import TokenBatch
 from torch_impl.comm_hooks import PostnormState
 from torch_impl.exact_carry import all_ranks_values
-from torch_impl.model import _full
+from torch_impl.guards import (
+    PRECHECK_TIMEOUT_S,
+    NonFiniteError,
+    non_finite_grad,
+    params_hint,
+    precheck,
+    rank_of,
+)
+from torch_impl.guards import RankMismatchError as RankMismatchError
 from torch_impl.partial import PartialAccumulation, ResumeMismatchError, Strategy, starting_point
 from torch_impl.schemes import (
     WeightingScheme,
@@ -73,53 +72,6 @@ from torch_impl.schemes import (
     global_denominator,
     microbatch_loss,
 )
-
-#: How long the pre-check of an update waits for every rank to reach it. Ranks arrive within
-#: moments of each other (the previous update ended in a collective); this bounds the wait for
-#: one that failed or hangs instead of blocking for the process group's own timeout.
-PRECHECK_TIMEOUT_S = 60.0
-#: How long a rank with a valid batch waits before raising for another rank's bad batch.
-PEER_REPORT_DELAY_S = 1.0
-
-
-class RankMismatchError(ValueError):
-    """The ranks hold different numbers of microbatches for one update (the message lists them)."""
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or inf in a loss sum or gradient; the message names the rank and microbatch."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class UpdateMetrics:
-    """What one update computed, as seen from one rank (the per-rank tuples are global)."""
-
-    rank: int
-    world_size: int
-    accum_steps: int
-    scheme: str
-    strategy: str
-    #: Valid targets of every rank over its M microbatches, [R].
-    rank_valid_tokens: tuple[int, ...]
-    #: sum_t a_t l_t of every rank over its M microbatches, [R].
-    rank_loss_sums: tuple[float, ...]
-    #: sum of d of every rank over its M microbatches, [R].
-    rank_denominators: tuple[float, ...]
-    #: D for the update.
-    global_denominator: float
-    #: L = sum of the loss sums / D (0 when D = 0: no token carries weight).
-    objective: float
-    #: Global L2 norm of the reduced gradient, before and after clipping.
-    grad_norm: float
-    clipped_grad_norm: float
-
-    @property
-    def local_valid_tokens(self) -> int:
-        return self.rank_valid_tokens[self.rank]
-
-    @property
-    def global_valid_tokens(self) -> int:
-        return sum(self.rank_valid_tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,129 +98,13 @@ def _parameters(model: nn.Module) -> Iterator[torch.Tensor]:
     return (p for p in model.parameters() if p.requires_grad)
 
 
-def _over_or_zero(numerator: float, denominator: float) -> float:
+def over_or_zero(numerator: float, denominator: float) -> float:
     """numerator / D in float64 (one rounding); 0 when D = 0.
 
     D = 0 only when no token of the update carries weight; then every a_t = 0, the objective
     is the empty sum and its gradient is zero: scale by 0, never divide 0/0.
     """
     return 0.0 if denominator == 0 else numerator / denominator
-
-
-def _validate(microbatches: Sequence[TokenBatch], vocab_size: int) -> None:
-    for batch in microbatches:
-        batch.validate(vocab_size)
-
-
-def _precheck(
-    microbatches: Sequence[TokenBatch],
-    vocab_size: int,
-    group: dist.ProcessGroup | None,
-    timeout_s: float,
-) -> None:
-    """Validate this rank's microbatches, then agree on them with every rank, first thing.
-
-    One all-reduce of R x 2 float64 (each rank's M and whether its batch is valid, in its own
-    slot: the sum adds only zeros to each), waited on for at most `timeout_s`:
-
-    * a bad batch raises its BatchError (rank, microbatch, row, position) on its own rank, and
-      every other rank, ``PEER_REPORT_DELAY_S`` later, a BatchError quoting it: nobody waits in
-      the next collective for a rank that stopped;
-    * different numbers of microbatches raise RankMismatchError on every rank, naming every
-      rank's count: otherwise one rank's synchronizing backward would meet another's
-      (DDP: a silently wrong update; FSDP2: a deadlock in the extra forward's all-gather);
-    * a rank that does not arrive (it failed before, hangs, or runs fewer updates) is a
-      TimeoutError after `timeout_s`, not a wait for the process group's timeout.
-
-    Without a process group only the validation runs.
-    """
-    error: BatchError | None = None
-    try:
-        _validate(microbatches, vocab_size)
-    except BatchError as exc:
-        error = exc
-    if not (dist.is_available() and dist.is_initialized()):
-        if error is not None:
-            raise error
-        return
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    status = torch.zeros(world_size, 2, dtype=torch.float64)
-    status[rank, 0] = len(microbatches)
-    status[rank, 1] = 0.0 if error is None else 1.0
-    work = dist.all_reduce(status, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise TimeoutError(
-            f"rank {rank}: not every one of the {world_size} ranks reached the start of this "
-            f"update within {timeout_s:g} s (a rank that failed, hangs, or runs fewer updates)"
-        ) from exc
-    counts = [int(count) for count in status[:, 0].tolist()]
-    bad = [r for r, flag in enumerate(status[:, 1].tolist()) if flag]
-    if bad:
-        # Every rank now knows that some batch is bad, so all of them take part in this second
-        # exchange (only on this failure path), and every rank can say what is wrong and where.
-        messages: list[str | None] = [None] * world_size
-        dist.all_gather_object(messages, None if error is None else str(error), group=group)
-        if error is not None:
-            raise error
-        # Let the rank holding the bad batch report first: a launcher that names the first
-        # rank to fail (torch_impl.harness.launcher) then names the root cause, not its echo here.
-        time.sleep(PEER_REPORT_DELAY_S)
-        raise BatchError(
-            f"rank {rank}: stopping, rank(s) {', '.join(map(str, bad))} hold bad input; "
-            f"rank {bad[0]} reports: {messages[bad[0]]}"
-        )
-    if len(set(counts)) > 1:
-        listing = ", ".join(f"rank {r}: {count}" for r, count in enumerate(counts))
-        raise RankMismatchError(
-            f"rank {rank}: the ranks hold different numbers of microbatches for this update "
-            f"({listing}); every rank must accumulate the same number, since each rank's last "
-            "microbatch is the one whose backward all-reduces the gradient"
-        )
-
-
-def _rank_of(microbatches: Sequence[TokenBatch], step: int) -> int:
-    """This process's rank for messages: the process group's, else the batch's own record."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return microbatches[step].rank
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor: a sharded DTensor's local shard (no collective)."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _non_finite_grad(model: nn.Module) -> str | None:
-    """The name of the first parameter whose gradient holds a NaN or inf, or None.
-
-    One ``isfinite`` pass over the gradients and one host sync per call: small next to the
-    backward pass that produced them. Sharded gradients are checked shard by shard (local).
-    """
-    named = [
-        (name, _local(p.grad))
-        for name, p in model.named_parameters()
-        if p.requires_grad and p.grad is not None
-    ]
-    if not named:
-        return None
-    finite = torch.stack([torch.isfinite(grad).all() for _, grad in named])
-    if bool(finite.all()):
-        return None
-    return named[int(torch.nonzero(~finite)[0])][0].rsplit(".", 1)[-1]
-
-
-def _params_hint(model: nn.Module) -> str:
-    """Whether the params themselves hold a NaN or inf (only computed on the failure path)."""
-    bad = [
-        name.rsplit(".", 1)[-1]
-        for name, p in model.named_parameters()
-        if not bool(torch.isfinite(_local(p.detach())).all())
-    ]
-    if bad:
-        return f"the params hold NaN or inf in {', '.join(bad)}"
-    return "the params are finite, so a logit or a loss overflowed (params too large?)"
 
 
 def _precount_counts(
@@ -304,12 +140,13 @@ def _backward_microbatches(
     scheme: WeightingScheme,
     vocab_size: int,
     start: PartialAccumulation,
-    stop: int,
     *,
-    scale: float | None,
-    hook_state: PostnormState | None,
+    stop: int | None = None,
+    scale: float | None = None,
+    hook_state: PostnormState | None = None,
 ) -> PartialAccumulation:
-    """Forward and backward microbatches [start.microbatches_done, stop) and add their sums.
+    """Forward and backward microbatches [start.microbatches_done, stop) and add their sums
+    (`stop` None: through the update's last microbatch).
 
     Only microbatch M - 1, the update's last, synchronizes gradients. `scale` multiplies each
     weighted sum (precount's s / D; None: unnormalized, postnorm). For postnorm the hook is
@@ -319,8 +156,9 @@ def _backward_microbatches(
     # params' dtype; postnorm's hook then carries them exactly in any bucket dtype.
     d, loss, valid = start.local_denominator, start.local_loss_sum, start.local_valid_tokens
     last = len(microbatches) - 1
+    stop = len(microbatches) if stop is None else stop
     for step in range(start.microbatches_done, stop):
-        where = f"rank {_rank_of(microbatches, step)}, microbatch {step}"
+        where = f"rank {rank_of(microbatches, step)}, microbatch {step}"
         with sync_context(model, step == last):
             out = microbatch_loss(model, microbatches[step], scheme, vocab_size)
             loss_value = float(out.weighted_sum.detach())
@@ -329,7 +167,7 @@ def _backward_microbatches(
                 # reach the gradient, the carried d or another rank.
                 raise NonFiniteError(
                     f"{where}: the loss sum (sum of a_t l_t) is {loss_value!r}; "
-                    f"{_params_hint(model)}"
+                    f"{params_hint(model)}"
                 )
             d += out.denominator
             loss += loss_value
@@ -340,7 +178,7 @@ def _backward_microbatches(
             # weighted_sum is float64 (accumulation_dtype) and so is scale = s / D: the product
             # is rounded to the params' dtype once, token by token, in the backward pass.
             (out.weighted_sum if scale is None else out.weighted_sum * scale).backward()
-        bad = _non_finite_grad(model)
+        bad = non_finite_grad(model)
         if bad is not None:
             if step == last:
                 # This backward all-reduced the gradient: the NaN may be another rank's.
@@ -353,7 +191,7 @@ def _backward_microbatches(
                 origin = f"local, not yet reduced, though its loss sum {loss_value!r} is finite"
             raise NonFiniteError(
                 f"{where}: the gradient of {bad} holds NaN or inf after this microbatch's "
-                f"backward ({origin}); {_params_hint(model)}"
+                f"backward ({origin}); {params_hint(model)}"
             )
     return dataclasses.replace(
         start,
@@ -382,21 +220,12 @@ def accumulate_precount(
     does not arrive fail in the pre-check (module docstring); a NaN or inf loss sum or
     gradient raises NonFiniteError naming the rank and microbatch.
     """
-    _precheck(microbatches, vocab_size, group, precheck_timeout_s)
+    precheck(microbatches, vocab_size, group, precheck_timeout_s)
     start = starting_point(resume, "precount", len(microbatches))
     start, D = _precount_counts(microbatches, scheme, start, group)
     # s / D in float64, never in the params' dtype: D past 2^24 (or 256 in bf16) would round.
-    scale = _over_or_zero(reduce_factor, D)
-    done = _backward_microbatches(
-        model,
-        microbatches,
-        scheme,
-        vocab_size,
-        start,
-        len(microbatches),
-        scale=scale,
-        hook_state=None,
-    )
+    scale = over_or_zero(reduce_factor, D)
+    done = _backward_microbatches(model, microbatches, scheme, vocab_size, start, scale=scale)
     # Metrics only (the objective's value); a loop that does not log it can skip this.
     loss_sums = tuple(v for (v,) in all_ranks_values([done.local_loss_sum], group=group))
     return Accumulated(
@@ -424,18 +253,9 @@ def accumulate_postnorm(
     restored that run's local ``.grad``, and the partial sums of d carry on from `resume`.
     The pre-check and the non-finite checks are precount's, over the hook's process group.
     """
-    _precheck(microbatches, vocab_size, hook_state.process_group, precheck_timeout_s)
+    precheck(microbatches, vocab_size, hook_state.process_group, precheck_timeout_s)
     start = starting_point(resume, "postnorm", len(microbatches))
-    _backward_microbatches(
-        model,
-        microbatches,
-        scheme,
-        vocab_size,
-        start,
-        len(microbatches),
-        scale=None,
-        hook_state=hook_state,
-    )
+    _backward_microbatches(model, microbatches, scheme, vocab_size, start, hook_state=hook_state)
     per_rank = hook_state.take()
     denominators = tuple(d for d, _, _ in per_rank)
     D = global_denominator(scheme, list(denominators))
@@ -499,7 +319,7 @@ def accumulate_partial(
             f"a partial update stops after 1 to {len(microbatches) - 1} of its "
             f"{len(microbatches)} microbatches, got {num_microbatches}"
         )
-    _precheck(microbatches, vocab_size, group, precheck_timeout_s)
+    precheck(microbatches, vocab_size, group, precheck_timeout_s)
     start = starting_point(resume, strategy, num_microbatches)
     scale = None
     if strategy == "precount":
@@ -507,88 +327,9 @@ def accumulate_partial(
             raise ValueError("precount needs its reduce_factor s for a partial update too")
         start, D = _precount_counts(microbatches, scheme, start, group)
         # As in accumulate_precount: s / D in float64, whatever the params' dtype.
-        scale = _over_or_zero(reduce_factor, D)
+        scale = over_or_zero(reduce_factor, D)
     elif strategy != "postnorm":
         raise ValueError(f"strategy must be 'precount' or 'postnorm', got {strategy!r}")
     return _backward_microbatches(
-        model,
-        microbatches,
-        scheme,
-        vocab_size,
-        start,
-        num_microbatches,
-        scale=scale,
-        hook_state=None,
-    )
-
-
-def global_grad_norm(model: nn.Module) -> float:
-    r"""L2 norm over every parameter's (reduced) gradient, :math:`\sqrt{\sum_p \|g_p\|^2}`.
-
-    Accumulated in ``accumulation_dtype`` (float64 on CPU): ``get_total_norm`` on bf16
-    gradients would return a bf16 norm, 8 significant bits, for the log and the clip factor.
-    Sharded (FSDP2) gradients stay DTensors through the upcast; their norm is all-reduced.
-    """
-    grads = [p.grad for p in _parameters(model) if p.grad is not None]
-    if not grads:
-        return 0.0
-    acc = accumulation_dtype(grads[0].device)
-    return float(_full(torch.nn.utils.get_total_norm([g.detach().to(acc) for g in grads])))
-
-
-def clip_and_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None
-) -> tuple[float, float]:
-    r"""Clip the reduced gradient by its global norm (torch convention), then step.
-
-    The factor is ``clip_grad_norm_``'s, :math:`\min(1, c / (\|g\| + 10^{-6}))`, unlike
-    optax, which scales only when :math:`\|g\| > c`; crosscheck's ``clip_convention="torch"``
-    models this one. The norm and the factor are float64 (``global_grad_norm``) and the factor
-    multiplies each gradient in the gradient's own dtype (torch keeps a Python scalar in
-    float32 for a bf16 tensor), so a bf16 model is not clipped by a bf16-rounded norm. For
-    float64 gradients this is ``clip_grad_norm_``'s arithmetic, bit for bit.
-    Returns (norm before clipping, norm after).
-    """
-    norm = global_grad_norm(model)
-    if max_grad_norm is not None:
-        # Written as clip_grad_norm_ computes it (Tensor.__rtruediv__ is a reciprocal, then a
-        # product), so float64 gradients are clipped bit for bit as torch clips them.
-        factor = max_grad_norm * (1.0 / (norm + 1e-6))
-        # `not factor >= 1` also multiplies by a NaN factor: a NaN norm must not pass silently.
-        if not factor >= 1.0:
-            with torch.no_grad():
-                for param in _parameters(model):
-                    if param.grad is not None:
-                        param.grad.mul_(factor)
-    clipped = global_grad_norm(model)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return norm, clipped
-
-
-def metrics(
-    accumulated: Accumulated,
-    *,
-    rank: int,
-    accum_steps: int,
-    scheme: WeightingScheme,
-    strategy: str,
-    grad_norm: float,
-    clipped_grad_norm: float,
-) -> UpdateMetrics:
-    """The per-update record of one rank."""
-    D = accumulated.global_denominator
-    return UpdateMetrics(
-        rank=rank,
-        world_size=len(accumulated.rank_valid_tokens),
-        accum_steps=accum_steps,
-        scheme=scheme.name,
-        strategy=strategy,
-        rank_valid_tokens=accumulated.rank_valid_tokens,
-        rank_loss_sums=accumulated.rank_loss_sums,
-        rank_denominators=accumulated.rank_denominators,
-        global_denominator=D,
-        objective=_over_or_zero(math.fsum(accumulated.rank_loss_sums), D),
-        grad_norm=grad_norm,
-        clipped_grad_norm=clipped_grad_norm,
+        model, microbatches, scheme, vocab_size, start, stop=num_microbatches, scale=scale
     )

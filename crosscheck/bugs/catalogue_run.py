@@ -41,7 +41,7 @@ SKEW_FIXTURE, SKEW_LAYOUT = "ragged", (2, 1)
 #: the measured minimum detectable skew), a skew about half the documented minimum's distance
 #: from 1 (passes) and one about twice it (flagged), and SKEW. The brackets are fixed
 #: numbers, not derived from the tolerances, so that a tolerance changed by mistake moves
-#: the measured minimum out of them. Documented minimums (README): float64 1 + 1.0e-12,
+#: the measured minimum out of them. Documented minimums (docs/bugs.md): float64 1 + 1.0e-12,
 #: float32 1 + 1.02e-5, bf16 1 + 2.41e-2.
 SKEWS: dict[str, tuple[float, ...]] = {
     "float64": (1.0, 1.0 + 5e-13, 1.0 + 2e-12, SKEW),
@@ -126,7 +126,7 @@ def diagnose_run(run: BugRun, output: BugOutput) -> Diagnosis:
         R,
         M,
         output.grads,
-        scheme.name,
+        scheme,
         dtype=run.dtype,
         # Judged at the step's own dtype: the catalogue knows it, and its sensitivity figures
         # are each dtype's (an automatic verdict would accept a float64 step at float32-level).
@@ -136,6 +136,10 @@ def diagnose_run(run: BugRun, output: BugOutput) -> Diagnosis:
         previous_denominators=(D,) * (NUM_WINDOWS - 1),
         max_grad_norm=CLIP_PER_MICROBATCH_NORM,
     )
+
+
+#: The fields of a catalogue row that are its diagnosis's, under the same names.
+_FROM_DIAGNOSIS = ("detected", "weight_ratio", "scale", "intended_error", "explanation")
 
 
 def judge(run: BugRun, output: BugOutput | BaseException) -> BugResult:
@@ -153,28 +157,17 @@ def judge(run: BugRun, output: BugOutput | BaseException) -> BugResult:
     d = diagnose_run(run, output)
     return BugResult(
         run=run,
-        detected=d.detected,
         diagnosed_as=d.best_match,
-        weight_ratio=d.weight_ratio,
-        scale=d.scale,
-        intended_error=d.intended_error,
-        explanation=d.explanation,
+        **{name: getattr(d, name) for name in _FROM_DIAGNOSIS},
     )
 
 
 def skew_runs(frameworks: tuple[str, ...]) -> list[BugRun]:
     """rank-skew per framework and dtype at every skew of `SKEWS`."""
     R, M = SKEW_LAYOUT
+    where = {"pattern": RANK_SKEW, "fixture": SKEW_FIXTURE, "world_size": R, "accum_steps": M}
     return [
-        BugRun(
-            pattern=RANK_SKEW,
-            framework=fw,
-            fixture=SKEW_FIXTURE,
-            world_size=R,
-            accum_steps=M,
-            dtype=dtype,
-            skew=skew,
-        )
+        BugRun(**where, framework=fw, dtype=dtype, skew=skew)
         for fw in frameworks
         for dtype, skews in SKEWS.items()
         for skew in skews

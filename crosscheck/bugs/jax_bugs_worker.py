@@ -10,11 +10,9 @@ by (R, batch shape) and each group runs every pattern it needs in one compiled s
 
 from __future__ import annotations
 
-import pickle
 import sys
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -27,6 +25,7 @@ from crosscheck.diagnosis.patterns import (
     BugRun,
 )
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.workers import serve_job
 
 Results = dict[BugRun, BugOutput | str]
 
@@ -104,16 +103,7 @@ def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
 
 
 def main(argv: Sequence[str]) -> int:
-    job_path, out_path = Path(argv[0]), Path(argv[1])
-    job = pickle.loads(job_path.read_bytes())
-    import jax
-
-    jax.config.update("jax_enable_x64", job["dtype"] == "float64")
-    results = run_all(job["runs"], job["dtype"])
-    tmp = out_path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(results))
-    tmp.replace(out_path)
-    return 0
+    return serve_job(argv, lambda job: run_all(job["runs"], job["dtype"]))
 
 
 if __name__ == "__main__":

@@ -13,9 +13,6 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
     NUM_WINDOWS,
@@ -24,7 +21,7 @@ from crosscheck.diagnosis.patterns import (
     BugOutput,
     BugRun,
 )
-from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.workers import launch_arrays, launch_each, layout_problem
 
 if TYPE_CHECKING:  # torch is imported only when something is launched
     from torch_impl.harness.bugs import BugStep, BugStepResult
@@ -56,29 +53,19 @@ def _problem(bug_run: BugRun) -> str:
         return f"{where}: dtype must be one of {DTYPES}, got {bug_run.dtype!r}"
     if bug_run.world_size < 1 or bug_run.accum_steps < 1:
         return f"{where}: world_size and accum_steps must be >= 1"
-    try:
-        num_rows = builtin_fixture(bug_run.fixture).num_rows
-    except ValueError as error:  # an unknown fixture: the message lists the known ones
-        return f"{where}: {error}"
-    if num_rows % (bug_run.world_size * bug_run.accum_steps):
-        return (
-            f"{where}: the {num_rows} rows of fixture {bug_run.fixture!r} cannot be laid out "
-            f"over world_size={bug_run.world_size} x accum_steps={bug_run.accum_steps}"
-        )
-    return ""
+    problem = layout_problem(bug_run.fixture, bug_run.world_size, bug_run.accum_steps)
+    return f"{where}: {problem}" if problem else ""
 
 
 def _bug_step(bug_run: BugRun) -> BugStep:
     from torch_impl.harness.bugs import BugStep
 
-    fixture = builtin_fixture(bug_run.fixture)
+    batch, params = launch_arrays(bug_run.fixture)
     return BugStep(
         label=bug_run.describe(),
         pattern=bug_run.pattern,
-        # The fixture's own (read-only) arrays: pickle sends an array shared by several runs
-        # of one launch once.
-        batch={key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS},
-        params={"embed": np.asarray(fixture.embed), "unembed": np.asarray(fixture.unembed)},
+        batch=batch,
+        params=params,
         accum_steps=bug_run.accum_steps,
         dtype=bug_run.dtype,
         skew=bug_run.skew,
@@ -125,23 +112,16 @@ def run(runs: list[BugRun]) -> dict[BugRun, BugOutput | BaseException]:
         return results
 
     from torch_impl.harness.bugs import run_bug_steps
-    from torch_impl.harness.launcher import launch
 
     for world_size, group in sorted(by_world.items()):
-        try:
-            per_rank = launch(
-                run_bug_steps,
-                world_size,
-                ([_bug_step(bug_run) for bug_run in group],),
-                timeout_s=LAUNCH_TIMEOUT_S,
-                collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-            )
-        except Exception as error:  # a failed launch fails every run it carried
-            results.update(dict.fromkeys(group, error))
-            continue
-        for index, bug_run in enumerate(group):
-            try:
-                results[bug_run] = bug_output([outputs[index] for outputs in per_rank])
-            except Exception as error:
-                results[bug_run] = error
+        outcomes = launch_each(
+            run_bug_steps,
+            world_size,
+            group,
+            _bug_step,
+            lambda _, per_rank: bug_output(per_rank),
+            timeout_s=LAUNCH_TIMEOUT_S,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        )
+        results.update(zip(group, outcomes, strict=True))
     return results

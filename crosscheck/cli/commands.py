@@ -17,19 +17,20 @@ SIGTERM stop every process the command started and print one line (exit 130,
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from crosscheck import exit_codes
+from crosscheck.cli.outputs import check_outputs, creatable, refuse
+from crosscheck.cli.parser import build_parser, run_list_values
 from crosscheck.cli.report import (
     print_results,
     print_skipped,
@@ -39,142 +40,14 @@ from crosscheck.cli.report import (
     write_json,
     write_update_log,
 )
-from crosscheck.contract.cases import STRATEGIES, Case
+from crosscheck.contract.cases import Case
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad
-from crosscheck.fixtures.builtin import builtin_fixture, fixture_reference
+from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.processes import handle_signals
-from crosscheck.run.implementations import IMPLEMENTATIONS
+from crosscheck.run.implementations import not_installed
 from crosscheck.run.matrix import run_matrix
 from crosscheck.run.plan import Plan
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _fixture_list(text: str) -> list[str]:
-    """Fixture references: built-in names, or .npz paths made absolute (workers may start in
-    another directory)."""
-    return [fixture_reference(part) for part in _name_list(text)]
-
-
-def _name_list(text: str) -> list[str]:
-    return [part for part in text.split(",") if part]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="crosscheck",
-        description="Check that loss normalization weights tokens the way it should.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser(
-        "run",
-        help="run every implementation on the built-in fixtures and compare with the oracle",
-    )
-    # No defaults here: a list the user names is explicit (every value of it must run in
-    # some case, or the run is refused); a list left out takes the Plan's default, whose
-    # product with the others may skip combinations (listed, with their reasons).
-    run.add_argument(
-        "--fixture",
-        type=_fixture_list,
-        help="built-in fixture names or fixture .npz paths, comma-separated",
-    )
-    run.add_argument("--schemes", type=_name_list, help="scheme names, comma-separated")
-    run.add_argument(
-        "--impls", type=_name_list, help=f"oracle, {', '.join(IMPLEMENTATIONS)} (default: all)"
-    )
-    run.add_argument("--world-sizes", type=_int_list, help="default: 1,2,4")
-    run.add_argument("--accum", type=_int_list, help="accumulation steps; default: 1,2")
-    run.add_argument("--strategies", type=_name_list, help=f"default: {','.join(STRATEGIES)}")
-    run.add_argument("--dtypes", type=_name_list, help="default: float64")
-    run.add_argument(
-        "--no-world-size-change",
-        action="store_true",
-        help="skip the (1,4), (2,2), (4,1) world-size-change rows",
-    )
-    run.add_argument("--no-resume", action="store_true", help="skip the checkpoint-resume rows")
-    run.add_argument("--rows", choices=("group", "case"), default="group")
-    run.add_argument("--json", type=Path, help="write every row as JSON here")
-    run.add_argument("--log", type=Path, help="write per-rank per-update metrics as JSONL here")
-    run.add_argument("--plot", type=Path, help="write a PNG of effective per-token weights here")
-    run.add_argument(
-        "--timings", action="store_true", help="also print when each job (process group) ran"
-    )
-    bugs = commands.add_parser(
-        "bugs",
-        help="run every known bug pattern in torch and JAX; check each is detected and named",
-    )
-    bugs.add_argument("--frameworks", type=_name_list, default=["torch", "jax"], help="torch, jax")
-    bugs.add_argument("--patterns", type=_name_list, help="pattern ids (default: all)")
-    bugs.add_argument(
-        "--fixture",
-        type=_fixture_list,
-        help="run every pattern on these fixtures instead (built-in names or .npz paths)",
-    )
-    bugs.add_argument("--json", type=Path, help="write the results as JSON here")
-    export = commands.add_parser(
-        "export-vectors",
-        help="write portable .npz test vectors and a manifest for every fixture and scheme",
-    )
-    export.add_argument("directory", type=Path, help="output directory (created if missing)")
-    export.add_argument(
-        "--force",
-        action="store_true",
-        help="write into a non-empty directory: replace the export's own files, leave the rest",
-    )
-    verify = commands.add_parser(
-        "verify",
-        help="check your own training step (MODULE:FUNCTION) against the oracle and diagnose it",
-    )
-    verify.add_argument("--framework", choices=("torch", "jax"), required=True)
-    verify.add_argument("--step", required=True, help="MODULE:FUNCTION, importable from here")
-    verify.add_argument(
-        "--scheme",
-        required=True,
-        help="the scheme the step is meant to compute (constant:C for a fixed normalizer C)",
-    )
-    verify.add_argument(
-        "--fixtures",
-        type=_fixture_list,
-        help="built-in names or fixture .npz paths, comma-separated (default: packed,ragged)",
-    )
-    verify.add_argument("--world-sizes", type=_int_list, help="default layouts: see README")
-    verify.add_argument("--accum", type=_int_list)
-    verify.add_argument(
-        "--timeout",
-        type=float,
-        default=120.0,
-        help="seconds the step gets for the whole run in each framework (all its cases)",
-    )
-    verify.add_argument(
-        "--precision",
-        choices=("auto", "float64", "float32", "bfloat16"),
-        default="auto",
-        help="judge at this precision (default: the finest the step's own noise allows)",
-    )
-    verify.add_argument(
-        "--strict",
-        action="store_true",
-        help="the float64 judgement (relative error 1e-12), same as --precision float64",
-    )
-    verify.add_argument(
-        "--dtype",
-        choices=("float64", "float32", "bfloat16"),
-        default="float64",
-        help="dtype of the model / params handed to the step",
-    )
-    verify.add_argument("--json", type=Path, help="write the report as JSON here")
-    return parser
 
 
 def seed_weights_table() -> Table:
@@ -201,76 +74,9 @@ def seed_weights_table() -> Table:
     return table
 
 
-#: `crosscheck run` option -> the Plan list it sets.
-RUN_LISTS: dict[str, str] = {
-    "fixture": "fixtures",
-    "schemes": "schemes",
-    "impls": "impls",
-    "world_sizes": "world_sizes",
-    "accum": "accum_steps",
-    "strategies": "strategies",
-    "dtypes": "dtypes",
-}
-
-
-def output_problem(path: Path) -> str:
-    """Why the file `path` cannot be written, or '' (nothing is created or changed).
-
-    The file must be writable where it exists; its directory must exist or be creatable.
-    Creating a file in the nearest directory that exists (a temporary one, removed at once)
-    is the test: permission bits alone say nothing for root, nor for a read-only mount.
-    """
-    if path.is_dir():
-        return "it is a directory"
-    if path.exists():
-        try:
-            with path.open("ab"):  # append: opens for writing without changing a byte
-                pass
-        except OSError as error:
-            return f"it cannot be opened for writing ({error.strerror or error})"
-        return ""
-    return _creatable(path.parent)
-
-
-def _creatable(directory: Path) -> str:
-    """Why `directory` cannot be used or created, or '' (nothing is created)."""
-    ancestor = directory
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        return f"{ancestor} is a file, not a directory"
-    try:
-        with tempfile.TemporaryFile(dir=ancestor):
-            pass
-    except OSError as error:
-        reason = error.strerror or str(error)
-        if ancestor == directory:
-            return f"no file can be created in {directory} ({reason})"
-        return f"{directory} does not exist and cannot be created in {ancestor} ({reason})"
-    return ""
-
-
-def check_outputs(command: str, outputs: dict[str, Path | None]) -> str:
-    """The first option whose path cannot be written, as one line; '' when all can."""
-    for option, path in outputs.items():
-        if path is None:
-            continue
-        problem = output_problem(Path(path))
-        if problem:
-            return f"crosscheck {command}: {option} {path} cannot be written: {problem}"
-    return ""
-
-
-def _refuse(console: Console, line: str) -> int:
-    """Print a set-up error (one line, whatever the terminal's width) and return its code."""
-    console.print(f"[red]{escape(line)}[/]", soft_wrap=True)
-    return exit_codes.SETUP_ERROR
-
-
 def _plan(args: argparse.Namespace) -> Plan:
     """The plan of `crosscheck run`: the options given are its explicit lists."""
-    given = {field: getattr(args, option) for option, field in RUN_LISTS.items()}
-    given = {field: value for field, value in given.items() if value is not None}
+    given = run_list_values(args)
     plan = Plan(
         world_size_change=not args.no_world_size_change,
         resume=not args.no_resume,
@@ -291,12 +97,18 @@ def run(args: argparse.Namespace, console: Console) -> int:
         # runs in no case; the build is repeated by run_matrix (a few ms).
         plan.build()
     except ValueError as error:
-        return _refuse(console, f"crosscheck run: {error}")
+        return refuse(console, f"crosscheck run: {error}")
     # Before the matrix, not after it: a path that cannot be written would otherwise fail
     # only once the whole run is done.
     problem = check_outputs("run", {"--json": args.json, "--log": args.log, "--plot": args.plot})
     if problem:
-        return _refuse(console, problem)
+        return refuse(console, problem)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        return refuse(
+            console,
+            "crosscheck run: --plot needs matplotlib, which is not installed here: "
+            "pip install 'gradweight[plot]'",
+        )
     if "seed" in plan.fixtures:
         console.print(seed_weights_table())
     with Progress(
@@ -403,15 +215,15 @@ def export(args: argparse.Namespace, console: Console) -> int:
     )
 
     directory = Path(args.directory)
-    problem = _creatable(directory)
+    problem = creatable(directory)
     if problem:
-        return _refuse(
+        return refuse(
             console, f"crosscheck export-vectors: {directory} cannot be written: {problem}"
         )
     try:
         check_export_directory(directory, args.force)
     except ExportDirectoryError as error:
-        return _refuse(console, f"crosscheck export-vectors: {error}")
+        return refuse(console, f"crosscheck export-vectors: {error}")
     written = export_vectors(directory, force=args.force)
     console.print(
         f"wrote {len(written.files)} files, {written.num_bytes} bytes; "
@@ -426,7 +238,7 @@ def verify(args: argparse.Namespace, console: Console) -> int:
 
     problem = check_outputs("verify", {"--json": args.json})
     if problem:
-        return _refuse(console, problem)
+        return refuse(console, problem)
     return verify_command(args, console)
 
 
@@ -437,17 +249,22 @@ def bugs(args: argparse.Namespace, console: Console) -> int:
     started = time.perf_counter()
     unknown = [fw for fw in args.frameworks if fw not in ("torch", "jax")]
     if unknown:
-        return _refuse(
+        return refuse(
             console, f"crosscheck bugs: unknown framework {unknown[0]!r}; known: torch, jax"
         )
+    missing = [not_installed(fw) for fw in args.frameworks if not_installed(fw)]
+    if missing:
+        others = [fw for fw in args.frameworks if not not_installed(fw)]
+        instead = f", or pass --frameworks {','.join(others)}" if others else ""
+        return refuse(console, f"crosscheck bugs: {missing[0]}{instead}")
     problem = check_outputs("bugs", {"--json": args.json})
     if problem:
-        return _refuse(console, problem)
+        return refuse(console, problem)
     try:
         with console.status("running the buggy steps in torch and JAX processes"):
             result = run_catalogue(tuple(args.frameworks), args.patterns, fixtures=args.fixture)
     except ValueError as error:
-        return _refuse(console, f"crosscheck bugs: {error}")
+        return refuse(console, f"crosscheck bugs: {error}")
     print_catalogue(console, result)
     wall = time.perf_counter() - started
     console.print(f"wall time {wall:.1f} s")

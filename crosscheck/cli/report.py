@@ -242,6 +242,10 @@ def print_skipped(console: Console, skipped: Sequence[SkippedCase]) -> None:
     console.print(fitted(console, skipped_table(skipped), lambda: skipped_table(skipped, True)))
 
 
+def _rows(count: int) -> str:
+    return f"{count} row" if count == 1 else f"{count} rows"
+
+
 def summary_line(
     rows: Sequence[CaseResult], wall_s: float, skipped: Sequence[SkippedCase] = ()
 ) -> str:
@@ -255,7 +259,7 @@ def summary_line(
         verdict = "[green]OK[/]" if not failed else "[red]FAILED[/]"
     could_not_run = f", {not_run} of them could not be run" if not_run else ""
     line = (
-        f"{len(rows)} rows, {failed} failed{could_not_run} ({accidental} rows of accidental "
+        f"{_rows(len(rows))}, {failed} failed{could_not_run} ({_rows(accidental)} of accidental "
         f"schemes behaved as the accident predicts): {verdict}"
     )
     if skipped:

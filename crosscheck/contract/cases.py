@@ -9,8 +9,10 @@ with the oracle and with each other.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -63,9 +65,11 @@ class TrainSettings:
         return self
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, order=True)
-class Case:
-    """One run of one implementation on one fixture, scheme, strategy, layout and dtype."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CaseCoordinates:
+    """Where a run stands: one implementation on one fixture and scheme, with one strategy, at
+    one layout (world_size ranks x accum_steps microbatches). A case, a resume case and a
+    skipped combination are each these coordinates plus a dtype and fields of their own."""
 
     impl: str
     fixture: str
@@ -73,6 +77,18 @@ class Case:
     strategy: str
     world_size: int
     accum_steps: int
+
+    def coordinates(self) -> dict[str, Any]:
+        """These fields and the dtype, by name: what a result row or a skipped combination
+        copies from its case (every kind of case has a dtype)."""
+        names = [f.name for f in fields(CaseCoordinates)]
+        return {name: getattr(self, name) for name in [*names, "dtype"]}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, order=True)
+class Case(CaseCoordinates):
+    """One run of one implementation on one fixture, scheme, strategy, layout and dtype."""
+
     dtype: str = "float64"
 
     def describe(self) -> str:
@@ -80,6 +96,39 @@ class Case:
             f"{self.impl} {self.fixture}/{self.scheme} {self.strategy} "
             f"R={self.world_size} M={self.accum_steps} {self.dtype}"
         )
+
+
+def case_grid(
+    impls: Iterable[str],
+    fixtures: Iterable[str],
+    layouts: Iterable[tuple[int, int]],
+    schemes: Iterable[str],
+    strategies: Iterable[str],
+    dtypes: Iterable[str] = ("float64",),
+) -> list[Case]:
+    """Every case of the product of the lists, nested in this order (dtypes vary fastest);
+    a layout is (world_size, accum_steps)."""
+    product = itertools.product(impls, fixtures, layouts, schemes, strategies, dtypes)
+    return [
+        Case(
+            impl=impl,
+            fixture=fixture,
+            scheme=scheme,
+            strategy=strategy,
+            world_size=R,
+            accum_steps=M,
+            dtype=dtype,
+        )
+        for impl, fixture, (R, M), scheme, strategy, dtype in product
+    ]
+
+
+def oracle_case(fixture: str, scheme: str, world_size: int, accum_steps: int) -> Case:
+    """The oracle's own run at a layout: its closed form, in float64."""
+    (case,) = case_grid(
+        ["oracle"], [fixture], [(world_size, accum_steps)], [scheme], ["closed-form"]
+    )
+    return case
 
 
 class RankMetrics(NamedTuple):
@@ -138,7 +187,7 @@ class CaseResult:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, order=True)
-class ResumeCase:
+class ResumeCase(CaseCoordinates):
     """Stop a run, checkpoint, restart in fresh processes, continue to `num_updates`.
 
     The stop comes after `stop_after_updates` complete updates, and when
@@ -148,12 +197,6 @@ class ResumeCase:
     (`resume_world_size` x `resume_accum_steps`); a mid-accumulation stop resumes at its own.
     """
 
-    impl: str
-    fixture: str
-    scheme: str
-    strategy: str
-    world_size: int
-    accum_steps: int
     resume_world_size: int
     resume_accum_steps: int
     stop_after_updates: int = 1
@@ -185,7 +228,7 @@ class ResumeCase:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, order=True)
-class SkippedCase:
+class SkippedCase(CaseCoordinates):
     """A combination the plan's product names but that does not run, and why.
 
     The default matrix crosses every implementation with every strategy, scheme, layout and
@@ -196,12 +239,6 @@ class SkippedCase:
     #: The kind of row the combination would have produced: "vs-oracle", "layout-invariance"
     #: (the oracle's own rows) or "resume".
     check: str
-    impl: str
-    fixture: str
-    scheme: str
-    strategy: str
-    world_size: int
-    accum_steps: int
     dtype: str
     #: One sentence, the same for every combination skipped for the same reason, so that
     #: the summary can count them by it.
@@ -214,7 +251,8 @@ class SkippedCase:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # The check first, then the coordinates (the order the JSON has always had).
+        return {"check": self.check, **asdict(self)}
 
 
 class ResumeOutput(NamedTuple):

@@ -16,6 +16,24 @@ can be compared with them and the bug named.
 
 This is the numpy reference of the contract. The JAX and torch implementations write the same
 math again on purpose: sharing this code would hide a shared bug.
+
+One word, three packages. Here a *scheme* is a `Scheme` object: the spec of an objective's
+normalization, with its parameters (``Constant(4096)`` holds C), that computes effective
+weights; every scheme, the two accidental ones included, has one, and `Scheme.spec` is the
+name `get_scheme` reads back (``constant:4096``). The references use the same names for the
+same math in their own form, and only for the six intended schemes:
+
+* ``torch_impl.schemes``: a scheme is a ``WeightingScheme``, a name plus pure functions
+  (a_t and d of one microbatch) and ``fixed_denominator``; ``torch_impl.schemes.get_scheme``
+  takes a name or a ``WeightingScheme``, ``constant(normalizer)`` holds C;
+* ``jax_impl.schemes``: ``Scheme`` is an ``IntEnum`` of names (its value indexes
+  ``lax.switch`` in a compiled step) and carries no parameter: C travels beside it, as the
+  ``constant_normalizer`` argument of ``jax_impl.schemes.global_denominator``.
+
+So a name (``"token_mean"``) means the same scheme in all three; a parameter lives in the
+object here and in torch, beside the enum in JAX. Crosscheck hands the references names
+(the matrix refuses a parameter it could not hand on: `crosscheck.run.plan`), and keeps the
+`Scheme` object wherever it judges (``crosscheck.verify``, ``crosscheck.diagnose``).
 """
 
 from __future__ import annotations

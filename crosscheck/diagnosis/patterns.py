@@ -18,6 +18,7 @@ Notation (one window): R ranks, M microbatches per rank, D the intended global d
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 #: Threshold of the clip-per-microbatch runs: on both catalogue runs one accumulation step's
@@ -56,179 +57,204 @@ class BugPattern:
     runs: tuple[tuple[str, int, int], ...] = field(default_factory=tuple)
 
 
-PATTERNS: dict[str, BugPattern] = {
-    p.id: p
-    for p in (
-        BugPattern(
-            id="rank-mean",
-            intended="token_mean",
-            upstream="seed example; torchtune#2980; prime-rl#2358",
-            step="each rank divides the sum of its valid-token losses over all its microbatches "
-            "by its own valid count n_r; the gradient all-reduce averages the R ranks",
-            logged_denominator="n_r of the rank (rank 0's is reported)",
-            fix="count the valid tokens of the whole update on every rank first (one all-reduce"
-            " of the local count, before any backward), divide each rank's summed loss by "
-            "that global count and multiply by R for DDP's averaging (or reduce gradients "
-            "with a sum)",
-            signature="rank",
-            runs=(("seed", 2, 1), ("ragged", 4, 1)),
-        ),
-        BugPattern(
-            id="microbatch-mean",
-            intended="token_mean",
-            upstream="transformers#34191; nanoGPT; T5X microbatches; Levanter MEAN; "
-            "optax.MultiSteps with a mean loss",
-            step="each microbatch takes its own token mean (sum / n_rm), divided by M for "
-            "accumulation; the all-reduce averages the R ranks",
-            logged_denominator="n_rm of rank 0's last microbatch",
-            fix="do not average per-microbatch means: sum each microbatch's token losses "
-            '(reduction="sum") and divide by the valid tokens of the whole accumulation window '
-            "on all ranks, counted before the first backward (times R under DDP's averaging)",
-            signature="microbatch",
-            runs=(("packed", 2, 2), ("ragged", 2, 2)),
-        ),
-        BugPattern(
-            id="missing-world-size",
-            intended="token_mean",
-            upstream="transformers#37474",
-            step="every microbatch loss is sum / D with the correct global D, but the gradient "
-            "all-reduce averages (divides by R) and nobody multiplied by R",
-            logged_denominator="D",
-            fix="DDP and pmean average the gradient over the R ranks: multiply the loss by R "
-            "after dividing by the global count, or reduce the gradient with a sum",
-            runs=(("packed", 2, 1), ("ragged", 4, 1)),
-        ),
-        BugPattern(
-            id="double-world-size",
-            intended="token_mean",
-            upstream="liquid-finetune#38; transformers#48690",
-            step="sum / D, multiplied by R by the user and by R again by a wrapper, under an "
-            "averaging all-reduce: the gradient is R times the intended one",
-            logged_denominator="D",
-            fix="multiply by R exactly once: either your loss does it or the wrapper does (look"
-            " for a trainer setting that rescales the loss by the world size)",
-            runs=(("packed", 2, 1), ("ragged", 4, 2)),
-        ),
-        BugPattern(
-            id="double-accum-scale",
-            intended="token_mean",
-            upstream="transformers#35438",
-            step="sum / D under a correct reduction, but every microbatch loss is multiplied by "
-            "M (the accumulation count) once too often: the gradient is M times too big",
-            logged_denominator="D",
-            fix="the global count already covers all M microbatches: do not multiply the loss "
-            "by the accumulation steps as well",
-            runs=(("packed", 1, 2), ("ragged", 2, 4)),
-        ),
-        BugPattern(
-            id="double-accum-divide",
-            intended="token_mean",
-            upstream="ms-swift#10117",
-            step="sum / D under a correct reduction, but every microbatch loss is divided by M "
-            "(the accumulation count) once more, as if D were a per-microbatch count: the "
-            "gradient is 1/M of the intended one",
-            logged_denominator="D",
-            fix="the global count already covers all M microbatches: do not divide the loss by "
-            "the accumulation steps as well (a trainer dividing by "
-            "gradient_accumulation_steps on top of a num_items_in_batch normalization)",
-            # M = 4 with R != M: at R = M its 1/M is missing-world-size's 1/R, and at M = 2
-            # its 1/2 is stale-count's (which logs 2 D).
-            runs=(("packed", 1, 4), ("ragged", 2, 4)),
-        ),
-        BugPattern(
-            id="unshifted-count",
-            intended="token_mean",
-            upstream="transformers#46204",
-            step="the denominator counts labels before the causal shift: D + (number of rows "
-            "with at least one valid target), one extra label per row; the loss sums are right",
-            logged_denominator="D + rows with a valid target",
-            fix="count the labels after the causal shift (the targets that get a loss, "
-            "labels[..., 1:] != -100), not before it",
-            runs=(("packed", 2, 2), ("ragged", 2, 1)),
-        ),
-        BugPattern(
-            id="attention-mask-count",
-            intended="token_mean",
-            upstream="unsloth-zoo#1217; multimodal trainers",
-            step="the denominator counts attended positions (segment_ids > 0: prompt, image "
-            "placeholders and document ends included) instead of valid targets",
-            logged_denominator="attended positions of the global batch",
-            fix="count the tokens with a loss (targets != -100), not attended positions "
-            "(attention_mask): prompts, image placeholders and document ends attend but "
-            "carry no loss",
-            runs=(("multimodal", 2, 1), ("packed", 2, 2)),
-        ),
-        BugPattern(
-            id="clip-per-microbatch",
-            intended="token_mean",
-            upstream="transformers#986; gpt-jax#2 (optax.apply_every)",
-            step="correct sum / D losses, but each accumulation step's synchronized gradient "
-            f"(all ranks' microbatch m) is clipped to global norm {CLIP_PER_MICROBATCH_NORM} "
-            "before it is added to the accumulator",
-            logged_denominator="D",
-            fix="clip once per update, after the last microbatch's backward and the gradient "
-            "all-reduce (clip_grad_norm_ after accumulation; in optax, clip inside the "
-            "inner optimizer of MultiSteps)",
-            signature="microbatch",
-            runs=(("packed", 2, 2), ("ragged", 1, 2)),
-        ),
-        BugPattern(
-            id="stale-count",
-            intended="token_mean",
-            upstream="torchtune#1917 (review)",
-            step="the global valid-token counter is not reset between windows: the second "
-            "window divides by D + D",
-            logged_denominator="2 D",
-            fix="reset the token counter at the start of every optimizer update",
-            runs=(("packed", 1, 2), ("ragged", 4, 1)),
-        ),
-        BugPattern(
-            id="double-reduce-count",
-            intended="token_mean",
-            upstream="Megatron-LM#7481",
-            step="the local count is all-reduced in place into a buffer that is all-reduced "
-            "again: the count is R D, the gradient R times too small",
-            logged_denominator="R D",
-            fix="all-reduce the local count exactly once, into a fresh tensor, not in place on "
-            "a buffer that is reduced again",
-            # R = 4: at R = 2 its 1/2 and its log 2 D are stale-count's too.
-            runs=(("packed", 4, 2), ("ragged", 4, 1)),
-        ),
-        BugPattern(
-            id="packed-as-one",
-            intended="sequence_mean",
-            upstream="packing collators; functionary#265",
-            step="the per-sequence mean is taken per packed row: every segment of a row shares "
-            "the row's valid count, and D counts rows with a valid target",
-            logged_denominator="rows with a valid target",
-            fix="take the per-sequence mean per document: group tokens by (row, segment id), "
-            "not by row, and count documents, not rows",
-            signature="other",
-            runs=(("packed", 2, 1), ("packed-wide", 2, 2)),
-        ),
-        BugPattern(
-            id="padding-as-tokens",
-            intended="token_mean",
-            upstream="T5X NUM_TOTAL_TARGET_TOKENS vs NUM_REAL_TARGET_TOKENS",
-            step="the denominator counts every target slot, padding and ignored ones included: N T",
-            logged_denominator="N T",
-            fix="divide by the tokens that carry a loss (NUM_REAL_TARGET_TOKENS), not by every "
-            "target slot; or verify against constant if a fixed normalizer is what you mean",
-            runs=(("packed", 2, 1), ("ragged", 2, 2)),
-        ),
-        BugPattern(
-            id="float32-count",
-            intended="weighted_mean",
-            upstream="large-batch pretraining",
-            step="the weighted-mean denominator (integer token multiplicities summing past "
-            "2^24) is accumulated and all-reduced in float32; losses stay float64",
-            logged_denominator="the float32 denominator",
-            fix="accumulate and all-reduce the denominator as an int64 count or in float64 (or "
-            "carry it exactly, torch_impl.exact_carry), never in float32 past 2^24",
-            runs=(("dedup-seed", 2, 1), ("dedup-packed", 2, 2)),
-        ),
-    )
-}
+#: The catalogue, one record per pattern in the order of docs/bugs.md: the pattern's id at the
+#: margin, then its `BugPattern` fields indented by four (``logged denominator`` is the field
+#: `logged_denominator`; a record without ``signature`` is "scale"; ``runs`` lists fixture
+#: (R, M)); a line indented deeper continues the field above it, a ``# `` line is a comment,
+#: and ``{clip_norm}`` stands for CLIP_PER_MICROBATCH_NORM. Kept as text because it is a
+#: table: fourteen records of the same fields read best as the table docs/bugs.md shows.
+_CATALOGUE = """
+rank-mean
+    intended: token_mean
+    signature: rank
+    runs: seed (2, 1), ragged (4, 1)
+    upstream: seed example; torchtune#2980; prime-rl#2358
+    step: each rank divides the sum of its valid-token losses over all its microbatches by its
+        own valid count n_r; the gradient all-reduce averages the R ranks
+    logged denominator: n_r of the rank (rank 0's is reported)
+    fix: count the valid tokens of the whole update on every rank first (one all-reduce of the
+        local count, before any backward), divide each rank's summed loss by that global count
+        and multiply by R for DDP's averaging (or reduce gradients with a sum)
+
+microbatch-mean
+    intended: token_mean
+    signature: microbatch
+    runs: packed (2, 2), ragged (2, 2)
+    upstream: transformers#34191; nanoGPT; T5X microbatches; Levanter MEAN; optax.MultiSteps
+        with a mean loss
+    step: each microbatch takes its own token mean (sum / n_rm), divided by M for accumulation;
+        the all-reduce averages the R ranks
+    logged denominator: n_rm of rank 0's last microbatch
+    fix: do not average per-microbatch means: sum each microbatch's token losses
+        (reduction="sum") and divide by the valid tokens of the whole accumulation window on all
+        ranks, counted before the first backward (times R under DDP's averaging)
+
+missing-world-size
+    intended: token_mean
+    runs: packed (2, 1), ragged (4, 1)
+    upstream: transformers#37474
+    step: every microbatch loss is sum / D with the correct global D, but the gradient
+        all-reduce averages (divides by R) and nobody multiplied by R
+    logged denominator: D
+    fix: DDP and pmean average the gradient over the R ranks: multiply the loss by R after
+        dividing by the global count, or reduce the gradient with a sum
+
+double-world-size
+    intended: token_mean
+    runs: packed (2, 1), ragged (4, 2)
+    upstream: liquid-finetune#38; transformers#48690
+    step: sum / D, multiplied by R by the user and by R again by a wrapper, under an averaging
+        all-reduce: the gradient is R times the intended one
+    logged denominator: D
+    fix: multiply by R exactly once: either your loss does it or the wrapper does (look for a
+        trainer setting that rescales the loss by the world size)
+
+double-accum-scale
+    intended: token_mean
+    runs: packed (1, 2), ragged (2, 4)
+    upstream: transformers#35438
+    step: sum / D under a correct reduction, but every microbatch loss is multiplied by M (the
+        accumulation count) once too often: the gradient is M times too big
+    logged denominator: D
+    fix: the global count already covers all M microbatches: do not multiply the loss by the
+        accumulation steps as well
+
+double-accum-divide
+    intended: token_mean
+    # M = 4 with R != M: at R = M its 1/M is missing-world-size's 1/R, and at M = 2 its 1/2
+    # is stale-count's (which logs 2 D).
+    runs: packed (1, 4), ragged (2, 4)
+    upstream: ms-swift#10117
+    step: sum / D under a correct reduction, but every microbatch loss is divided by M (the
+        accumulation count) once more, as if D were a per-microbatch count: the gradient is 1/M
+        of the intended one
+    logged denominator: D
+    fix: the global count already covers all M microbatches: do not divide the loss by the
+        accumulation steps as well (a trainer dividing by gradient_accumulation_steps on top of
+        a num_items_in_batch normalization)
+
+unshifted-count
+    intended: token_mean
+    runs: packed (2, 2), ragged (2, 1)
+    upstream: transformers#46204
+    step: the denominator counts labels before the causal shift: D + (number of rows with at
+        least one valid target), one extra label per row; the loss sums are right
+    logged denominator: D + rows with a valid target
+    fix: count the labels after the causal shift (the targets that get a loss, labels[..., 1:]
+        != -100), not before it
+
+attention-mask-count
+    intended: token_mean
+    runs: multimodal (2, 1), packed (2, 2)
+    upstream: unsloth-zoo#1217; multimodal trainers
+    step: the denominator counts attended positions (segment_ids > 0: prompt, image placeholders
+        and document ends included) instead of valid targets
+    logged denominator: attended positions of the global batch
+    fix: count the tokens with a loss (targets != -100), not attended positions
+        (attention_mask): prompts, image placeholders and document ends attend but carry no loss
+
+clip-per-microbatch
+    intended: token_mean
+    signature: microbatch
+    runs: packed (2, 2), ragged (1, 2)
+    upstream: transformers#986; gpt-jax#2 (optax.apply_every)
+    step: correct sum / D losses, but each accumulation step's synchronized gradient (all ranks'
+        microbatch m) is clipped to global norm {clip_norm} before it is added to the
+        accumulator
+    logged denominator: D
+    fix: clip once per update, after the last microbatch's backward and the gradient all-reduce
+        (clip_grad_norm_ after accumulation; in optax, clip inside the inner optimizer of
+        MultiSteps)
+
+stale-count
+    intended: token_mean
+    runs: packed (1, 2), ragged (4, 1)
+    upstream: torchtune#1917 (review)
+    step: the global valid-token counter is not reset between windows: the second window divides
+        by D + D
+    logged denominator: 2 D
+    fix: reset the token counter at the start of every optimizer update
+
+double-reduce-count
+    intended: token_mean
+    # R = 4: at R = 2 its 1/2 and its log 2 D are stale-count's too.
+    runs: packed (4, 2), ragged (4, 1)
+    upstream: Megatron-LM#7481
+    step: the local count is all-reduced in place into a buffer that is all-reduced again: the
+        count is R D, the gradient R times too small
+    logged denominator: R D
+    fix: all-reduce the local count exactly once, into a fresh tensor, not in place on a buffer
+        that is reduced again
+
+packed-as-one
+    intended: sequence_mean
+    signature: other
+    runs: packed (2, 1), packed-wide (2, 2)
+    upstream: packing collators; functionary#265
+    step: the per-sequence mean is taken per packed row: every segment of a row shares the row's
+        valid count, and D counts rows with a valid target
+    logged denominator: rows with a valid target
+    fix: take the per-sequence mean per document: group tokens by (row, segment id), not by row,
+        and count documents, not rows
+
+padding-as-tokens
+    intended: token_mean
+    runs: packed (2, 1), ragged (2, 2)
+    upstream: T5X NUM_TOTAL_TARGET_TOKENS vs NUM_REAL_TARGET_TOKENS
+    step: the denominator counts every target slot, padding and ignored ones included: N T
+    logged denominator: N T
+    fix: divide by the tokens that carry a loss (NUM_REAL_TARGET_TOKENS), not by every target
+        slot; or verify against constant if a fixed normalizer is what you mean
+
+float32-count
+    intended: weighted_mean
+    runs: dedup-seed (2, 1), dedup-packed (2, 2)
+    upstream: large-batch pretraining
+    step: the weighted-mean denominator (integer token multiplicities summing past 2^24) is
+        accumulated and all-reduced in float32; losses stay float64
+    logged denominator: the float32 denominator
+    fix: accumulate and all-reduce the denominator as an int64 count or in float64 (or carry it
+        exactly, torch_impl.exact_carry), never in float32 past 2^24
+"""
+
+#: "name (R, M)" of a catalogue record's ``runs`` line.
+_RUN = re.compile(r"([\w-]+) \((\d+), (\d+)\)")
+
+
+def _read_catalogue(text: str) -> dict[str, BugPattern]:
+    """The BugPatterns of `text` (written as `_CATALOGUE` is), by id, in order.
+
+    An unknown field is a TypeError and a runs line that does not read is a ValueError, at
+    import: a typo in the catalogue cannot pass for a pattern.
+    """
+    records: list[dict[str, str]] = []
+    key = ""
+    for line in text.splitlines():
+        indent = len(line) - len(line.lstrip())
+        words = line.strip()
+        if not words or words.startswith("# "):
+            continue
+        if indent == 0:
+            records.append({"id": words})
+        elif indent == 4:
+            name, _, value = words.partition(": ")
+            key = name.replace(" ", "_")
+            records[-1][key] = value
+        else:
+            records[-1][key] += " " + words
+    patterns = {}
+    for record in records:
+        runs = record.pop("runs")
+        parsed = tuple((name, int(R), int(M)) for name, R, M in _RUN.findall(runs))
+        if ", ".join(f"{n} ({R}, {M})" for n, R, M in parsed) != runs:
+            raise ValueError(f"catalogue record {record['id']}: cannot read runs {runs!r}")
+        patterns[record["id"]] = BugPattern(runs=parsed, **record)
+    return patterns
+
+
+PATTERNS: dict[str, BugPattern] = _read_catalogue(
+    _CATALOGUE.replace("{clip_norm}", str(CLIP_PER_MICROBATCH_NORM))
+)
 
 #: A step that is correct except that rank 0's loss is multiplied by `skew`: it measures the
 #: smallest distortion verification flags (not a pattern of docs/bugs.md).

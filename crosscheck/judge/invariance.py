@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from crosscheck.contract.cases import CaseResult
+from crosscheck.contract.cases import CaseResult, oracle_case
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad
 from crosscheck.contract.schemes import get_scheme
@@ -41,13 +41,7 @@ def layout_invariance(
         rows.append(
             CaseResult(
                 check="layout-invariance",
-                fixture=fixture.name,
-                scheme=scheme.name,
-                impl="oracle",
-                strategy="closed-form",
-                world_size=R,
-                accum_steps=M,
-                dtype="float64",
+                **oracle_case(fixture.name, scheme.name, R, M).coordinates(),
                 max_rel_err=err,
                 ok=ok,
                 reference="oracle at R=1,M=1",

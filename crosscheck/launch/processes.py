@@ -28,9 +28,9 @@ from pathlib import Path
 from types import FrameType, ModuleType
 from typing import NoReturn
 
-#: The launcher modules, by the names they are imported under. `jax_impl.harness.launch` is also
-#: loaded from its file alone under another name (crosscheck.bugs.jax_bugs._launch), so
-#: modules are matched by file too (see `_launchers`).
+#: The launcher modules, by the names they are imported under. `jax_impl.harness.launch` may also
+#: be loaded from its file alone (`crosscheck.launch.workers.jax_launch`), so modules are
+#: matched by file too (see `_launchers`).
 LAUNCHER_MODULES: tuple[str, ...] = ("torch_impl.harness.launcher", "jax_impl.harness.launch")
 _ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_FILES: tuple[Path, ...] = (

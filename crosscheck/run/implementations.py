@@ -12,7 +12,9 @@ jobs reports every case it was given through ``on_done(case, output_or_error)``,
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -41,6 +43,22 @@ def framework_of(impl: str) -> str:
         ) from None
 
 
+#: What each framework's extra installs that its implementations import.
+_EXTRA_MODULES = {"jax": ("jax", "flax", "optax", "orbax"), "torch": ("torch",)}
+
+
+@functools.cache
+def not_installed(framework: str) -> str:
+    """'' when `framework` ("torch" or "jax") can be imported here, else one sentence saying
+    how to install it: crosscheck itself needs neither, and a run skips (or, asked for by
+    name, refuses) what is not installed instead of failing inside a worker."""
+    missing = [name for name in _EXTRA_MODULES[framework] if importlib.util.find_spec(name) is None]
+    if missing:
+        what = framework if missing[0] == framework else f"{framework}'s {missing[0]}"
+        return f"{what} is not installed here (pip install 'gradweight[{framework}]')"
+    return ""
+
+
 def runner_for(framework: str) -> ModuleType:
     """The runner module of a framework, imported now (it imports the framework)."""
     return importlib.import_module(_MODULES[framework])
@@ -48,4 +66,5 @@ def runner_for(framework: str) -> ModuleType:
 
 def why_unsupported(case: Case) -> str:
     """'' when the runner of `case.impl` runs `case`, else why it does not (one sentence)."""
-    return runner_for(framework_of(case.impl)).why_unsupported(case)
+    framework = framework_of(case.impl)
+    return not_installed(framework) or runner_for(framework).why_unsupported(case)

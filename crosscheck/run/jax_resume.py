@@ -13,6 +13,7 @@ Run as a module (``python -m crosscheck.run.jax_resume PHASE JOB OUT``) it is th
 
 from __future__ import annotations
 
+import functools
 import pickle
 import sys
 import tempfile
@@ -25,6 +26,13 @@ import numpy as np
 from crosscheck.contract.cases import STRATEGIES, ResumeCase, ResumeOutput, TrainSettings
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.workers import (
+    jax_launch,
+    jax_worker_env,
+    launchable,
+    serve_job,
+    worker_zygote,
+)
 
 OnResumeDone = Callable[[ResumeCase, ResumeOutput | BaseException], None]
 
@@ -62,16 +70,7 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
     uninterrupted=params after case.num_updates of the reference pmap step without a stop),
     or the exception that prevented it.
     """
-    from crosscheck.run.jax_runner import _worker_env, worker_zygote
-    from jax_impl.harness.launch import run_workers
-
-    runnable = []
-    for case in cases:
-        problem = resume_problem(case)
-        if problem:
-            on_done(case, ValueError(problem))
-        else:
-            runnable.append(case)
+    runnable = launchable(cases, resume_problem, on_done)
     if not runnable:
         return
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-resume-") as tmp:
@@ -93,11 +92,11 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
                 for d in dtypes
             ]
             try:
-                run_workers(
+                jax_launch().run_workers(
                     commands,
                     timeout_s=PHASE_TIMEOUT_S,
                     log_dir=work / f"logs-{phase}",
-                    env=_worker_env(),
+                    env=jax_worker_env(),
                     zygote=worker_zygote(),
                 )
             except Exception as error:
@@ -240,12 +239,9 @@ def _resume(case: ResumeCase, index: int, job: dict, loop_for) -> dict[str, np.n
     return _numpy(state.params)
 
 
-def main(argv: Sequence[str]) -> int:
-    phase, job_path, out_path = argv[0], Path(argv[1]), Path(argv[2])
-    job = pickle.loads(job_path.read_bytes())
-    import jax
-
-    jax.config.update("jax_enable_x64", job["dtype"] == "float64")
+def run_phase(phase: str, job: dict) -> dict[ResumeCase, object]:
+    """One phase ("stop" or "resume") of every case of the job; a failed case gets its
+    traceback."""
     cases: list[ResumeCase] = job["cases"]
     results: dict[ResumeCase, object] = {}
     loop_for = _loops(job["settings"])
@@ -268,10 +264,12 @@ def main(argv: Sequence[str]) -> int:
                 results[case] = _resume(case, index, job, loop_for)
         except Exception:  # one failed case fails by name, the others still run
             results[case] = traceback.format_exc(limit=8)
-    tmp = out_path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(results))
-    tmp.replace(out_path)
-    return 0
+    return results
+
+
+def main(argv: Sequence[str]) -> int:
+    """``PHASE JOB OUT``."""
+    return serve_job(argv[1:], functools.partial(run_phase, argv[0]))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The in-process front-ends (pmap, shard_map, global jit) run in `crosscheck.run.j
 with eight fake CPU devices, one worker process per front-end, world size and dtype; the
 multi-process front-end runs `jax_impl.harness.multiprocess` on R real processes joined by
 jax.distributed over gloo, one launch per world size serving every case of that size. Every
-worker is forked from one zygote that imported JAX once (`jax_impl.harness.zygote`) where the
+worker is forked from one zygote that imported JAX once (`crosscheck.launch.workers`) where the
 platform allows it and ``GRADWEIGHT_NO_FORK_SERVERS`` is not set (else a plain process each), and
 every wait is bounded by `jax_impl.harness.launch.run_workers`, which also kills each worker's
 process group when its launch ends.
@@ -12,25 +12,19 @@ process group when its launch ends.
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
 import pickle
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
-
-if TYPE_CHECKING:
-    from jax_impl.harness.zygote import Zygote
+from crosscheck.launch.workers import jax_launch, jax_worker_env, worker_zygote
 
 OnDone = Callable[[Case, CaseOutput | BaseException], None]
 
@@ -72,99 +66,21 @@ def supports(case: Case) -> bool:
     return not why_unsupported(case)
 
 
-#: What the zygote imports once for every worker it forks (see `jax_impl.harness.zygote`).
-ZYGOTE_PRELOAD = (
-    "jax",
-    "jax.numpy",
-    "optax",
-    "jax_impl",
-    "jax_impl.harness.multiprocess",
-    "jax_impl.resume",
-    "orbax.checkpoint",
-    "crosscheck.run.jax_worker",
-    "crosscheck.run.jax_resume",
-)
-#: How many zygotes one process may start: one, and a replacement when it was stopped (by
-#: `jax_impl.harness.launch.terminate_all` after an interrupt, or a crash); not one per job.
-MAX_ZYGOTE_STARTS = 5
-_zygote_lock = threading.Lock()
-
-
-class _ZygoteSlot:
-    """This process's zygote (None before the first start or after a failed one), and how
-    many were started."""
-
-    zygote: Zygote | None = None
-    starts: int = 0
-
-
-_zygote_slot = _ZygoteSlot()
-
-
-def worker_zygote() -> Zygote | None:
-    """This process's JAX zygote, started on first use; None where none may run.
-
-    Every JAX worker of a run is forked from it instead of importing JAX itself (about 1.3 s
-    of CPU each). None, and workers start afresh as plain processes (slower, not different),
-    when `jax_impl.harness.zygote.unavailable` says so (the platform lacks ``os.fork`` or
-    ``os.waitid``, as macOS does, or the environment sets ``GRADWEIGHT_NO_FORK_SERVERS=1``;
-    both are checked on every call), or when a zygote refuses to serve or fails to start. A
-    zygote that has exited since (stopped on an interrupt) is replaced, up to
-    `MAX_ZYGOTE_STARTS` starts per process.
-    """
-    from jax_impl.harness.zygote import Zygote, unavailable
-
-    if unavailable():
-        return None
-    with _zygote_lock:
-        slot = _zygote_slot
-        if slot.zygote is not None and slot.zygote.alive:
-            return slot.zygote
-        if slot.starts >= MAX_ZYGOTE_STARTS:
-            return None
-        slot.starts += 1
-        log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{os.getpid()}.log"
-        try:
-            slot.zygote = Zygote(ZYGOTE_PRELOAD, _worker_env(), log)
-        except Exception:  # any failure to start means: no zygote, plain processes
-            slot.zygote = None
-            slot.starts = MAX_ZYGOTE_STARTS  # one that failed to start would fail again
-            return None
-        atexit.register(slot.zygote.close)
-        return slot.zygote
-
-
-def _worker_env() -> dict[str, str]:
-    from jax_impl.harness.launch import (
-        SMALL_PROGRAM_XLA_FLAGS,  # here: importing jax_impl imports jax
-    )
-
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 def _run_in_process(
     cases: list[Case], settings: TrainSettings, on_done: OnDone, dtype: str
 ) -> None:
     """One worker process with eight CPU devices runs `cases`, all of one dtype."""
-    from jax_impl.harness.launch import run_workers
-
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-") as tmp:
         work = Path(tmp)
         job, out = work / "job.pkl", work / "out.pkl"
         job.write_bytes(pickle.dumps({"cases": cases, "settings": settings, "dtype": dtype}))
         command = [sys.executable, "-m", "crosscheck.run.jax_worker", str(job), str(out)]
         try:
-            run_workers(
+            jax_launch().run_workers(
                 [command],
                 timeout_s=WORKER_TIMEOUT_S,
                 log_dir=work,
-                env=_worker_env(),
+                env=jax_worker_env(),
                 zygote=worker_zygote(),
             )
         except Exception as error:
@@ -211,7 +127,6 @@ def _run_multiprocess(
     cases: list[Case], settings: TrainSettings, on_done: OnDone, world_size: int, dtype: str
 ) -> None:
     """One launch of `world_size` processes runs every multi-process case of that size."""
-    from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
     from jax_impl.harness.multiprocess import launch_multiprocess
 
     batches = sorted({(case.fixture, case.accum_steps) for case in cases})
@@ -241,7 +156,7 @@ def _run_multiprocess(
                 world_size,
                 work / "run",
                 timeout_s=WORKER_TIMEOUT_S,
-                extra_xla_flags=SMALL_PROGRAM_XLA_FLAGS,
+                extra_xla_flags=jax_launch().SMALL_PROGRAM_XLA_FLAGS,
                 zygote=worker_zygote(),
             )
         except Exception as error:

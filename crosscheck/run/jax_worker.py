@@ -12,17 +12,16 @@ world size goes through it. Output is plain numpy, pickled, judged by the parent
 
 from __future__ import annotations
 
-import pickle
 import sys
 import traceback
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.workers import serve_job
 
 FRONT_ENDS = {"jax-pmap": "pmap", "jax-shard_map": "shard_map", "jax-jit": "jit"}
 ACCIDENTAL = ("rank_mean", "microbatch_mean")
@@ -46,7 +45,14 @@ def _variants(impl: str) -> dict[str, dict]:
     return variants
 
 
-def _sweep(impl: str, configs: list, world_size: int):
+def placed_sweep(impl: str, configs: list, world_size: int) -> tuple[Callable, Callable]:
+    """The in-process front-end's sweep of `configs` ("jax-pmap", "jax-shard_map" or
+    "jax-jit"), and how to place (batch, params) for it.
+
+    Params are placed where every update leaves them (committed to device 0 for pmap,
+    replicated over the mesh otherwise), so that the first and later calls share one
+    compiled program: jit and pmap key their caches on where inputs live, not only on shapes.
+    """
     import jax
 
     import jax_impl
@@ -111,7 +117,7 @@ def run_group(
         jax_impl.StepConfig(optimizer=optimizer, max_grad_norm=settings.max_grad_norm, **kw)
         for kw in variants.values()
     ]
-    sweep, place = _sweep(impl, configs, world_size)
+    sweep, place = placed_sweep(impl, configs, world_size)
     results: dict[Case, CaseOutput] = {}
     by_batch: dict[tuple[str, int], list[Case]] = {}
     for case in cases:
@@ -148,12 +154,9 @@ def run_group(
     return results
 
 
-def main(argv: Sequence[str]) -> int:
-    job_path, out_path = Path(argv[0]), Path(argv[1])
-    job = pickle.loads(job_path.read_bytes())
-    import jax
-
-    jax.config.update("jax_enable_x64", job["dtype"] == "float64")
+def run_job(job: dict) -> dict[Case, CaseOutput | str]:
+    """Every case of the job, by front-end and world size; a failed group's cases get its
+    traceback."""
     groups: dict[tuple[str, int], list[Case]] = {}
     for case in job["cases"]:
         groups.setdefault((case.impl, case.world_size), []).append(case)
@@ -164,10 +167,11 @@ def main(argv: Sequence[str]) -> int:
         except Exception:  # one failed group fails its cases by name, the others still run
             message = traceback.format_exc(limit=8)
             results.update({case: message for case in cases})
-    tmp = out_path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(results))
-    tmp.replace(out_path)
-    return 0
+    return results
+
+
+def main(argv: Sequence[str]) -> int:
+    return serve_job(argv, run_job)
 
 
 if __name__ == "__main__":

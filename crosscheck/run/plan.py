@@ -13,11 +13,24 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from crosscheck.contract.cases import STRATEGIES, Case, ResumeCase, SkippedCase, TrainSettings
+from crosscheck.contract.cases import (
+    STRATEGIES,
+    Case,
+    ResumeCase,
+    SkippedCase,
+    TrainSettings,
+    case_grid,
+    oracle_case,
+)
 from crosscheck.contract.schemes import SCHEMES, get_scheme
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
-from crosscheck.run.implementations import IMPLEMENTATIONS, framework_of, why_unsupported
-from crosscheck.run.resume import RESUME_RUNNERS, default_cases
+from crosscheck.run.implementations import (
+    IMPLEMENTATIONS,
+    framework_of,
+    not_installed,
+    why_unsupported,
+)
+from crosscheck.run.resume import RESUME_RUNNERS, default_cases, starting_cases
 
 #: Layouts of the same global batch with R x M = 4: losing half the ranks and doubling the
 #: accumulation must not change an intended scheme's update.
@@ -145,21 +158,14 @@ class Plan:
                     for scheme in self.schemes:
                         # An accidental scheme has no strategy: it is the naive loop itself.
                         strategies = self.strategies if get_scheme(scheme).intended else ["naive"]
-                        for strategy in strategies:
-                            for dtype in self.dtypes:
-                                case = Case(
-                                    impl=impl,
-                                    fixture=fixture,
-                                    scheme=scheme,
-                                    strategy=strategy,
-                                    world_size=R,
-                                    accum_steps=M,
-                                    dtype=dtype,
-                                )
-                                if num_rows % (R * M):
-                                    yield case, layout_reason(fixture, num_rows)
-                                else:
-                                    yield case, why_unsupported(case)
+                        grid = case_grid(
+                            [impl], [fixture], [(R, M)], [scheme], strategies, self.dtypes
+                        )
+                        for case in grid:
+                            if num_rows % (R * M):
+                                yield case, layout_reason(fixture, num_rows)
+                            else:
+                                yield case, why_unsupported(case)
 
     def cases(self) -> list[Case]:
         """The cases the runners run (see `build` for what is left out, and why)."""
@@ -185,15 +191,7 @@ class Plan:
                 for R in self.world_sizes:
                     for M in self.accum_steps:
                         for scheme in self.schemes:
-                            case = Case(
-                                impl="oracle",
-                                fixture=fixture,
-                                scheme=scheme,
-                                strategy="closed-form",
-                                world_size=R,
-                                accum_steps=M,
-                                dtype="float64",
-                            )
+                            case = oracle_case(fixture, scheme, R, M)
                             if num_rows % (R * M):
                                 why = layout_reason(fixture, num_rows)
                                 skipped.append(_skip("layout-invariance", case, why))
@@ -217,7 +215,12 @@ class Plan:
         for impl in self.impls:
             if impl not in RESUME_RUNNERS:
                 continue  # resume is checked on one implementation per framework
+            missing = not_installed(framework_of(impl))
             for fixture in fixtures:
+                if missing:
+                    for case in starting_cases([impl], [fixture], schemes, self.strategies):
+                        skipped.append(_skip("resume", case, missing))
+                    continue
                 found = default_cases([impl], [fixture], schemes, self.strategies)
                 cases += found
                 if found:
@@ -227,17 +230,8 @@ class Plan:
                     f"{fixture} has {num_rows} rows; resume runs R x M = 4 "
                     "(2 x 2 resumed at 4 x 1 and 1 x 4)"
                 )
-                for scheme in schemes:
-                    for strategy in self.strategies:
-                        case = Case(
-                            impl=impl,
-                            fixture=fixture,
-                            scheme=scheme,
-                            strategy=strategy,
-                            world_size=2,
-                            accum_steps=2,
-                        )
-                        skipped.append(_skip("resume", case, reason))
+                for case in starting_cases([impl], [fixture], schemes, self.strategies):
+                    skipped.append(_skip("resume", case, reason))
         return cases
 
     def _refusal(self, ran: list[Case], skipped: list[SkippedCase], resumes: bool) -> str:
@@ -321,17 +315,7 @@ def _is_layout_skip(skip: SkippedCase) -> bool:
 
 
 def _skip(check: str, case: Case, reason: str) -> SkippedCase:
-    return SkippedCase(
-        check=check,
-        impl=case.impl,
-        fixture=case.fixture,
-        scheme=case.scheme,
-        strategy=case.strategy,
-        world_size=case.world_size,
-        accum_steps=case.accum_steps,
-        dtype=case.dtype,
-        reason=reason,
-    )
+    return SkippedCase(check=check, reason=reason, **case.coordinates())
 
 
 def _join_reasons(reasons: list[str], most: int = 3) -> str:

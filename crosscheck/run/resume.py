@@ -12,9 +12,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 from collections.abc import Callable
 
-from crosscheck.contract.cases import CaseResult, ResumeCase, ResumeOutput, TrainSettings
+from crosscheck.contract.cases import (
+    Case,
+    CaseResult,
+    ResumeCase,
+    ResumeOutput,
+    TrainSettings,
+    case_grid,
+)
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import RTOL_BY_DTYPE, tree_rel_err
 from crosscheck.launch.schedule import Job
@@ -36,33 +44,36 @@ RESUME_COST_PER_CASE: dict[str, float] = {"torch-ddp": 0.09, "jax-pmap": 0.15}
 SCENARIOS: tuple[tuple[int, int, int], ...] = ((2, 2, 0), (4, 1, 0), (1, 4, 0), (2, 2, 1))
 
 
+#: The layout every resume case starts at; a stop between updates may resume at another layout
+#: of the same R x M (`SCENARIOS`), so a fixture's rows must divide by R M.
+START_LAYOUT = (2, 2)
+
+
+def starting_cases(
+    impls: list[str], fixtures: list[str], schemes: list[str], strategies: list[str]
+) -> list[Case]:
+    """The run that the resume cases of each (impl, fixture, scheme, strategy) stop and
+    resume: at `START_LAYOUT`, float64."""
+    return case_grid(impls, fixtures, [START_LAYOUT], schemes, strategies)
+
+
 def default_cases(
     impls: list[str], fixtures: list[str], schemes: list[str], strategies: list[str]
 ) -> list[ResumeCase]:
-    cases = []
-    for impl in impls:
-        if impl not in RESUME_RUNNERS:
-            continue
-        for fixture in fixtures:
-            if builtin_fixture(fixture).num_rows % 4:
-                continue
-            for scheme in schemes:
-                for strategy in strategies:
-                    for R, M, microbatches in SCENARIOS:
-                        cases.append(
-                            ResumeCase(
-                                impl=impl,
-                                fixture=fixture,
-                                scheme=scheme,
-                                strategy=strategy,
-                                world_size=2,
-                                accum_steps=2,
-                                resume_world_size=R,
-                                resume_accum_steps=M,
-                                stop_after_microbatches=microbatches,
-                            )
-                        )
-    return cases
+    """Every scenario of `SCENARIOS` for each starting case of a resumable implementation on
+    a fixture whose rows divide among the starting layout's R M."""
+    runnable = [impl for impl in impls if impl in RESUME_RUNNERS]
+    dividing = [f for f in fixtures if builtin_fixture(f).num_rows % math.prod(START_LAYOUT) == 0]
+    return [
+        ResumeCase(
+            **start.coordinates(),
+            resume_world_size=R,
+            resume_accum_steps=M,
+            stop_after_microbatches=microbatches,
+        )
+        for start in starting_cases(runnable, dividing, schemes, strategies)
+        for R, M, microbatches in SCENARIOS
+    ]
 
 
 def compare_resume(case: ResumeCase, output: ResumeOutput, settings: TrainSettings) -> CaseResult:
@@ -99,15 +110,11 @@ def resume_row(
     if case.stop_after_microbatches:
         stop += f"+{case.stop_after_microbatches}mb"
     resumed_at = f"R={case.resume_world_size},M={case.resume_accum_steps}"
+    # The row's strategy says where the run stopped and where it resumed.
+    where = case.coordinates() | {"strategy": f"{case.strategy}, {stop} -> {resumed_at}"}
     return CaseResult(
         check="resume",
-        fixture=case.fixture,
-        scheme=case.scheme,
-        impl=case.impl,
-        strategy=f"{case.strategy}, {stop} -> {resumed_at}",
-        world_size=case.world_size,
-        accum_steps=case.accum_steps,
-        dtype=case.dtype,
+        **where,
         max_rel_err=max_rel_err,
         ok=ok,
         reference=f"uninterrupted run and oracle after {case.num_updates} updates",

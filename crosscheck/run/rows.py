@@ -99,17 +99,7 @@ def _metrics_problem(case: Case, output: CaseOutput, expected: tuple[UpdateRecor
 
 def _vs_oracle_row(case: Case, **judgement) -> CaseResult:
     """A vs-oracle row: the case's coordinates plus what was found."""
-    return CaseResult(
-        check="vs-oracle",
-        fixture=case.fixture,
-        scheme=case.scheme,
-        impl=case.impl,
-        strategy=case.strategy,
-        world_size=case.world_size,
-        accum_steps=case.accum_steps,
-        dtype=case.dtype,
-        **judgement,
-    )
+    return CaseResult(check="vs-oracle", **case.coordinates(), **judgement)
 
 
 def _bf16_weighting_problem(case: Case, output: CaseOutput) -> str:

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from crosscheck.contract.cases import (
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
+from crosscheck.launch.workers import launch_each, launchable
 
 IMPLS: dict[str, str] = {"torch-ddp": "ddp", "torch-fsdp2": "fsdp2"}
 #: The params' dtypes of torch_impl.harness.cases.DTYPES (repeated so that choosing cases does not
@@ -72,7 +74,8 @@ def supports(case: Case) -> bool:
     return not why_unsupported(case)
 
 
-def _update_case(case: Case, settings: TrainSettings):
+def _update_case(case: Case | ResumeCase, settings: TrainSettings, accum_steps: int | None = None):
+    """The case as a torch_impl UpdateCase, at `accum_steps` (default: the case's own)."""
     from torch_impl.harness.cases import UpdateCase
     from torch_impl.optimizers import OptimizerSpec
 
@@ -84,7 +87,7 @@ def _update_case(case: Case, settings: TrainSettings):
         params=fixture.params(),
         scheme="token_mean" if accidental else case.scheme,
         strategy="mean_loss" if accidental else case.strategy,
-        accum_steps=case.accum_steps,
+        accum_steps=case.accum_steps if accum_steps is None else accum_steps,
         optimizer=OptimizerSpec(**settings.optimizer_spec()),
         dtype=case.dtype,
         front_end=IMPLS[case.impl],
@@ -130,27 +133,18 @@ def _run_world(
 ) -> None:
     """One launch of `world_size` ranks runs every case of that size."""
     from torch_impl.harness.cases import run_cases
-    from torch_impl.harness.launcher import launch
 
-    try:
-        per_rank = launch(
-            run_cases,
-            world_size,
-            ([_update_case(case, settings) for case in cases],),
-            timeout_s=LAUNCH_TIMEOUT_S,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-        )
-    except Exception as error:  # a failed launch fails every case it carried, by name
-        for case in cases:
-            on_done(case, error)
-        return
-    for index, case in enumerate(cases):
-        try:
-            output = _case_output(case, [rank_outputs[index] for rank_outputs in per_rank])
-        except Exception as error:
-            on_done(case, error)
-        else:
-            on_done(case, output)
+    outcomes = launch_each(
+        run_cases,
+        world_size,
+        cases,
+        lambda case: _update_case(case, settings),
+        _case_output,
+        timeout_s=LAUNCH_TIMEOUT_S,
+        collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+    )
+    for case, outcome in zip(cases, outcomes, strict=True):
+        on_done(case, outcome)
 
 
 def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Job]:
@@ -172,18 +166,12 @@ def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Jo
     ]
 
 
-def _resume_base(case: ResumeCase, settings: TrainSettings, world_size: int, accum_steps: int):
-    """The case's run at one layout, `case.num_updates` long, as a torch_impl UpdateCase."""
-    plain = Case(
-        impl=case.impl,
-        fixture=case.fixture,
-        scheme=case.scheme,
-        strategy=case.strategy,
-        world_size=world_size,
-        accum_steps=accum_steps,
-        dtype=case.dtype,
+def _resume_base(case: ResumeCase, settings: TrainSettings, accum_steps: int):
+    """The case's run at `accum_steps` microbatches per rank (the world size is the launch's),
+    `case.num_updates` long, as a torch_impl UpdateCase."""
+    return dataclasses.replace(
+        _update_case(case, settings, accum_steps), num_updates=case.num_updates
     )
-    return dataclasses.replace(_update_case(plain, settings), num_updates=case.num_updates)
 
 
 def _resume_problem(case: ResumeCase) -> str:
@@ -213,37 +201,29 @@ def _final_params(label: str, per_rank: list, num_updates: int) -> Params:
     return first
 
 
-def _launch_groups(work: dict[int, dict[tuple, object]]) -> dict[tuple, Params | BaseException]:
+def _launch_groups(work: dict[int, dict[tuple, Any]]) -> dict[tuple, Params | BaseException]:
     """Launch each world size's UpdateCases once; each key's final params or its error."""
     from torch_impl.harness.cases import run_cases
-    from torch_impl.harness.launcher import launch
+
+    def final_params(item: tuple[tuple, Any], per_rank: list) -> Params:
+        _, update_case = item
+        # A stop saves without finishing; only runs that reach the end have params.
+        if update_case.stop_after_updates is not None:
+            return {}
+        return _final_params(update_case.label, per_rank, update_case.num_updates)
 
     results: dict[tuple, Params | BaseException] = {}
     for world_size, group in sorted(work.items()):
-        keys, update_cases = list(group), list(group.values())
-        try:
-            per_rank = launch(
-                run_cases,
-                world_size,
-                (update_cases,),
-                timeout_s=LAUNCH_TIMEOUT_S,
-                collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-            )
-        except Exception as error:  # a failed launch fails every run it carried
-            results.update(dict.fromkeys(keys, error))
-            continue
-        for index, (key, update_case) in enumerate(zip(keys, update_cases, strict=True)):
-            try:
-                outputs = [rank_outputs[index] for rank_outputs in per_rank]
-                # A stop saves without finishing; only runs that reach the end have params.
-                finished = update_case.stop_after_updates is None
-                results[key] = (
-                    _final_params(update_case.label, outputs, update_case.num_updates)
-                    if finished
-                    else {}
-                )
-            except Exception as error:
-                results[key] = error
+        outcomes = launch_each(
+            run_cases,
+            world_size,
+            list(group.items()),
+            lambda item: item[1],
+            final_params,
+            timeout_s=LAUNCH_TIMEOUT_S,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        )
+        results.update(zip(group, outcomes, strict=True))
     return results
 
 
@@ -267,15 +247,9 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
 def _run_resume(
     cases: list[ResumeCase], settings: TrainSettings, on_done: OnResumeDone, root: Path
 ) -> None:
-    runnable = []
-    for case in cases:
-        problem = _resume_problem(case)
-        if problem:
-            on_done(case, ValueError(problem))
-        else:
-            runnable.append(case)
+    runnable = launchable(cases, _resume_problem, on_done)
 
-    first_round: dict[int, dict[tuple, object]] = {}
+    first_round: dict[int, dict[tuple, Any]] = {}
     stops: dict[ResumeCase, tuple] = {}
     baselines: dict[ResumeCase, tuple] = {}
     for case in runnable:
@@ -285,14 +259,14 @@ def _run_resume(
         baselines[case] = ("uninterrupted", *run, case.num_updates)
         if baselines[case] not in group:
             group[baselines[case]] = dataclasses.replace(
-                _resume_base(case, settings, R, M),
+                _resume_base(case, settings, M),
                 label=f"uninterrupted {case.describe()}",
             )
         # Cases that stop at the same point of the same run share one checkpoint.
         stops[case] = ("stop", *run, case.stop_after_updates, case.stop_after_microbatches)
         if stops[case] not in group:
             group[stops[case]] = dataclasses.replace(
-                _resume_base(case, settings, R, M),
+                _resume_base(case, settings, M),
                 label=f"stop {case.describe()}",
                 stop_after_updates=case.stop_after_updates,
                 stop_after_microbatches=case.stop_after_microbatches,
@@ -300,7 +274,7 @@ def _run_resume(
             )
     saved = _launch_groups(first_round)
 
-    second_round: dict[int, dict[tuple, object]] = {}
+    second_round: dict[int, dict[tuple, Any]] = {}
     for case in runnable:
         failure = next(
             (
@@ -315,7 +289,7 @@ def _run_resume(
             continue
         R, M = case.resume_world_size, case.resume_accum_steps
         second_round.setdefault(R, {})[("resume", case)] = dataclasses.replace(
-            _resume_base(case, settings, R, M),
+            _resume_base(case, settings, M),
             label=f"resume {case.describe()}",
             resume_from=first_round[case.world_size][stops[case]].save_to,
         )

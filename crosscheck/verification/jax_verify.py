@@ -25,8 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from crosscheck.bugs.jax_bugs import _launch
-from crosscheck.run.jax_runner import _worker_env
+from crosscheck.launch.workers import jax_launch, jax_worker_env
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
 WORKER_MODULE = "crosscheck.verification.jax_verify_worker"
@@ -138,11 +137,9 @@ def run(
     bad_spec = _check_spec(step)
     if bad_spec is not None:
         return {job: StepError(f"{job.describe()}: {bad_spec}") for job in jobs}
-    # First: with jax_impl.harness.launch loaded from its file alone, _worker_env does not import
-    # JAX.
-    launch = _launch()
+    launch = jax_launch()  # without importing JAX here
     cwd = os.getcwd()
-    env = _worker_env()
+    env = jax_worker_env()
     # The user's module (and anything it starts) must import from the caller's directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env["JAX_ENABLE_X64"] = "1"  # for a step module that reads the flag at import

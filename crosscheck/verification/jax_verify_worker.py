@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
+from crosscheck.launch.workers import write_atomically
 from crosscheck.verification.protocol import VerifyJob, take_logged_denominator
 
 PARAM_NAMES = ("embed", "unembed")
@@ -41,13 +42,6 @@ _LIBRARY_DIRS = tuple(
     str(Path(p).resolve())
     for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
 )
-
-
-def _write(path: Path, data: bytes) -> None:
-    """Write atomically: the harness may read the folder at any moment (or after a kill)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def _user_frames(error: BaseException, module_file: str | None, fallback: bool) -> str:
@@ -247,7 +241,7 @@ def main(argv: Sequence[str]) -> int:
     job = pickle.loads(Path(argv[0]).read_bytes())
     progress = Path(job["progress"])
     spec, jobs = job["step"], job["jobs"]
-    _write(progress / "current", b"import")
+    write_atomically(progress / "current", b"import")
     import jax
 
     jax.config.update("jax_enable_x64", True)
@@ -257,16 +251,16 @@ def main(argv: Sequence[str]) -> int:
         # No fallback frames: importlib's own say nothing; a module that failed while being
         # executed (a SyntaxError, an error at import time) shows its own frames.
         message = f"cannot import step {spec}: {describe_error(error, None, fallback=False)}"
-        _write(progress / "import-error", message.encode())
+        write_atomically(progress / "import-error", message.encode())
         return 0
     module = sys.modules.get(spec.partition(":")[0])
     module_file = getattr(module, "__file__", None)
     module_file = str(Path(module_file).resolve()) if module_file else None
     for index, verify_job in enumerate(jobs):
-        _write(progress / "current", str(index).encode())
+        write_atomically(progress / "current", str(index).encode())
         result = run_job(step, spec, verify_job, module_file)
-        _write(progress / f"{index}.pkl", pickle.dumps(result))
-    _write(progress / "current", b"done")
+        write_atomically(progress / f"{index}.pkl", pickle.dumps(result))
+    write_atomically(progress / "current", b"done")
     return 0
 
 

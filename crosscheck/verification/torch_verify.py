@@ -1,10 +1,11 @@
 """Calling a user's torch step for ``crosscheck verify``: one process group per world size.
 
 `run` lays each `VerifyJob` out from its built-in fixture, launches
-``torch_impl.harness.user_step.run_user_steps`` for each world size (the jobs of that size run in
-that launch, one after the other on every rank) and turns what the ranks left in a status directory
-into a `VerifyOutput` (rank 0's gradient, once every rank is known to hold the same one) or a
-`StepError` naming the job, the rank and the cause. torch is imported only when something is
+``torch_impl.harness.user_step.run_user_steps`` for each world size (the jobs of that size run
+in that launch, one after the other on every rank) and turns what the ranks left in a status
+directory into a `VerifyOutput` (rank 0's gradient, once every rank is known to hold the same
+one) or a `StepError` naming the job, the rank and the cause
+(`crosscheck.verification.torch_verify_outcomes`). torch is imported only when something is
 launched, so crosscheck itself does not need it.
 
 Time: `timeout_s` bounds the whole run of the step, all jobs of every world size together.
@@ -39,18 +40,15 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from crosscheck.contract.fixture import BATCH_KEYS
-from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.workers import launch_arrays, layout_problem
+from crosscheck.verification import torch_verify_outcomes as rank_outcomes
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
 if TYPE_CHECKING:  # torch is imported only when something is launched
-    from torch_impl.harness.user_step import RankOutcome, UserStepJob
+    from torch_impl.harness.user_step import UserStepJob
 
 #: Start-up allowance inside the run's deadline: the fork server's first import of torch
 #: (about 2 s on two idle cores; 11 s was seen on two cores shared with other test runs) and,
@@ -72,9 +70,6 @@ MAX_COLLECTIVE_TIMEOUT_S = 30.0
 #: The collective timeout's floor (when the time limit allows it): joining the group at
 #: start-up waits this long for the slowest rank to import torch.
 MIN_COLLECTIVE_TIMEOUT_S = 5.0
-#: Error kinds of torch_impl.harness.user_step, most telling first.
-_CAUSE_ORDER = ("raised", "result", "timeout", "peer", "stopped")
-_SHORT = 240
 
 
 def collective_timeout(timeout_s: float) -> float:
@@ -96,105 +91,20 @@ def _job_problem(job: VerifyJob) -> str:
         return "world_size and accum_steps must be >= 1"
     if job.dtype not in ("float64", "float32", "bfloat16"):
         return f"dtype must be float64, float32 or bfloat16, got {job.dtype!r}"
-    try:
-        num_rows = builtin_fixture(job.fixture).num_rows
-    except ValueError as error:  # an unknown fixture: the message lists the known ones
-        return str(error)
-    if num_rows % (job.world_size * job.accum_steps):
-        return (
-            f"the {num_rows} rows of fixture {job.fixture!r} cannot be laid out over "
-            f"world_size={job.world_size} x accum_steps={job.accum_steps}"
-        )
-    return ""
+    return layout_problem(job.fixture, job.world_size, job.accum_steps)
 
 
 def _user_job(job: VerifyJob) -> UserStepJob:
     from torch_impl.harness.user_step import UserStepJob
 
-    fixture = builtin_fixture(job.fixture)
+    batch, params = launch_arrays(job.fixture)
     return UserStepJob(
         label=job.describe(),
-        # The fixture's own read-only arrays: pickle sends an array shared by jobs once.
-        batch={key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS},
-        params={"embed": np.asarray(fixture.embed), "unembed": np.asarray(fixture.unembed)},
+        batch=batch,
+        params=params,
         accum_steps=job.accum_steps,
         dtype=job.dtype,
     )
-
-
-def _short(text: str) -> str:
-    """The line that names the exception in a traceback (or a message's first line), cut."""
-    lines = [line for line in str(text).strip().splitlines() if line.strip()]
-    # In a traceback the exception's own line is the first unindented one after the frames.
-    frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
-    after = [line for line in lines[frames[-1] + 1 :] if not line.startswith(" ")] if frames else []
-    line = (after or lines or [str(text)])[0].strip()
-    return line if len(line) <= _SHORT else line[: _SHORT - 3] + "..."
-
-
-def ranks_disagree(per_rank: Sequence[dict[str, np.ndarray]]) -> str:
-    """Where the first rank whose gradient differs from rank 0's does, or ''.
-
-    One all-reduce (or all-gather) leaves the same bytes on every rank, so a synchronized
-    gradient is bit-identical across ranks; anything else means the step did not synchronize.
-    """
-    first = per_rank[0]
-    for rank, grads in enumerate(per_rank[1:], start=1):
-        for name, expected in first.items():
-            actual = grads[name]
-            differ = ~((actual == expected) | (np.isnan(actual) & np.isnan(expected)))
-            if differ.any():
-                index = tuple(int(i) for i in np.argwhere(differ)[0])
-                return (
-                    f"rank {rank} holds a different {name} gradient than rank 0 at "
-                    f"{list(index)}: {float(actual[index])!r} vs {float(expected[index])!r} "
-                    f"({int(differ.sum())} of {differ.size} elements differ): the step's "
-                    "gradient is not synchronized across ranks"
-                )
-    return ""
-
-
-def _describe_failure(outcomes: Sequence[RankOutcome], collective_s: float) -> str:
-    """The root cause first (what a rank raised), then what it did to the other ranks."""
-    failed = sorted(
-        (o for o in outcomes if o.error),
-        key=lambda o: (_CAUSE_ORDER.index(o.kind) if o.kind in _CAUSE_ORDER else 0, o.rank),
-    )
-    root = failed[0]
-    # Ranks that failed exactly alike are named together, the others after the cause.
-    alike = [o.rank for o in failed if (o.error, o.kind) == (root.error, root.kind)]
-    rest = [o for o in failed if o.rank not in alike]
-    ranks = f"rank {alike[0]}" if len(alike) == 1 else f"ranks {', '.join(map(str, alike))}"
-    if root.kind == "timeout":
-        head = (
-            f"{ranks}: a collective did not finish within {collective_s:g} s (the "
-            "collective timeout): the other ranks never joined it, or left it"
-        )
-        text = f"{head}; {root.error}"
-    elif root.kind == "peer":
-        text = f"{ranks}: a collective failed because a peer rank went away: {root.error}"
-    else:
-        text = f"{ranks}: {root.error}"
-    for other in rest:
-        if other.kind == "stopped":  # with where the step was: it may be why the others failed
-            text += f"\n(rank {other.rank} {other.error})"
-        elif other.kind in ("timeout", "peer"):
-            text += f"\n(rank {other.rank} then failed in a collective: {_short(other.error)})"
-        else:
-            text += f"\n(rank {other.rank} failed too: {_short(other.error)})"
-    return text
-
-
-def _judge(
-    job: VerifyJob, outcomes: Sequence[RankOutcome], collective_s: float
-) -> VerifyOutput | StepError:
-    if any(o.error for o in outcomes):
-        return StepError(f"{job.describe()}: {_describe_failure(outcomes, collective_s)}")
-    per_rank = [o.grads for o in outcomes if o.grads is not None]
-    disagreement = ranks_disagree(per_rank)
-    if disagreement:
-        return StepError(f"{job.describe()}: {disagreement}")
-    return VerifyOutput(grads=per_rank[0], logged_denominator=outcomes[0].logged_denominator)
 
 
 @dataclass(slots=True)
@@ -213,92 +123,6 @@ class _RunClock:
 
     def limit(self) -> str:
         return f"{self.timeout_s:g} s (the time limit of the whole run, --timeout)"
-
-
-def _job_started(status_dir: str, index: int, world_size: int) -> bool:
-    from torch_impl.harness.user_step import watchdog_path
-
-    return any(os.path.exists(watchdog_path(status_dir, index, r)) for r in range(world_size))
-
-
-def _unfinished(
-    job: VerifyJob,
-    index: int,
-    status_dir: str,
-    world_size: int,
-    clock: _RunClock,
-    error: Exception | None,
-) -> tuple[StepError, str, bool]:
-    """The error of the job that was running when the launch ended, why, and whether the run
-    stops there (the time is up, or the launch broke before the job started)."""
-    from torch_impl.harness.launcher import (
-        LaunchStoppedError,
-        LaunchTimeoutError,
-        RankFailedError,
-        describe_exit,
-    )
-    from torch_impl.harness.user_step import outcome_path, read_watchdog
-
-    reported = [r for r in range(world_size) if os.path.exists(outcome_path(status_dir, index, r))]
-    # A rank that reported finished its step: its watchdog fired while it waited for the others.
-    hung = {
-        rank: dump
-        for rank in range(world_size)
-        if rank not in reported and (dump := read_watchdog(status_dir, index, rank)) is not None
-    }
-    if hung:
-        ranks = ", ".join(map(str, hung))
-        ran_s = max(dump.deadline - dump.started for dump in hung.values())
-        why = f"the step did not finish within {clock.limit()}"
-        where = "\n".join(f"rank {rank} was at:\n{dump.frames}" for rank, dump in hung.items())
-        head = f"{why}: still running on rank(s) {ranks} after {ran_s:.1f} s in this case"
-        return StepError(f"{job.describe()}: {head}\n{where}"), why, True
-    if isinstance(error, LaunchTimeoutError):
-        why = f"the step did not finish within {clock.limit()} ({error})"
-        return StepError(f"{job.describe()}: {why}"), why, True
-    if isinstance(error, LaunchStoppedError):  # interrupted: nothing more may start
-        why = f"the torch launch was stopped ({error})"
-        return StepError(f"{job.describe()}: {why}"), why, True
-    if error is None:  # the ranks returned before it: no time left to start it
-        why = f"the time limit of {clock.limit()} was used up"
-        return StepError(f"{job.describe()}: not run: {why}"), why, True
-    started = _job_started(status_dir, index, world_size)
-    if isinstance(error, RankFailedError) and error.rank not in reported:
-        if error.exitcode is not None:
-            cause = f"process {describe_exit(error.exitcode)} without reporting a result"
-        else:
-            cause = _short(error.details)
-        doing = "running the step" if started else "starting"
-        why = f"rank {error.rank} ended while {doing}: {cause}"
-    else:
-        why = f"the torch launch failed: {_short(str(error))}"
-    # A crash inside the job is the job's; the jobs after it get fresh processes.
-    return StepError(f"{job.describe()}: {why}"), why, not started
-
-
-def _read_outcomes(status_dir: str, index: int, world_size: int) -> list[RankOutcome] | None:
-    import pickle
-
-    from torch_impl.harness.user_step import outcome_path
-
-    outcomes = []
-    for rank in range(world_size):
-        path = outcome_path(status_dir, index, rank)
-        if not os.path.exists(path):
-            return None
-        with open(path, "rb") as f:
-            outcomes.append(pickle.load(f))
-    return outcomes
-
-
-def _read_ready(status_dir: str) -> float | None:
-    from torch_impl.harness.user_step import ready_path
-
-    try:
-        with open(ready_path(status_dir)) as f:
-            return float(f.read())
-    except (OSError, ValueError):
-        return None
 
 
 def _launch_once(
@@ -332,7 +156,7 @@ def _launch_once(
             )
         except Exception as error:  # read below: what finished before it still counts
             launch_error = error
-        ready = _read_ready(status_dir)
+        ready = rank_outcomes.read_ready(status_dir)
         if ready is not None:
             clock.budget_s -= max(0.0, time.monotonic() - ready)
         # The import fails alike on every rank, before any job: rank 0's reason stands.
@@ -342,13 +166,13 @@ def _launch_once(
             return {job: StepError(f"{job.describe()}: {reason}") for job in jobs}, ""
         results: dict[VerifyJob, VerifyOutput | StepError] = {}
         for index, job in enumerate(jobs):
-            outcomes = _read_outcomes(status_dir, index, world_size)
+            outcomes = rank_outcomes.read_outcomes(status_dir, index, world_size)
             if outcomes is None:
-                results[job], why, stop = _unfinished(
-                    job, index, status_dir, world_size, clock, launch_error
+                results[job], why, stop = rank_outcomes.unfinished(
+                    job, index, status_dir, world_size, clock.limit(), launch_error
                 )
                 return results, why if stop else ""
-            results[job] = _judge(job, outcomes, collective_s)
+            results[job] = rank_outcomes.judge(job, outcomes, collective_s)
             if any(o.error for o in outcomes):
                 return results, ""  # the ranks stopped after it: the rest run afresh
         return results, ""

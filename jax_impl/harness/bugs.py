@@ -77,6 +77,30 @@ def _multisteps(params: Params, ctx: StepContext) -> optax.MultiSteps:
     )
 
 
+def _feed_microbatches(
+    tx: optax.GradientTransformation,
+    params: Params,
+    batch: Microbatch,
+    denominator: jax.Array,
+    state: State,
+    ctx: StepContext,
+) -> tuple[Params, State]:
+    r"""A loop that hands `tx` every accumulation step's synchronized gradient
+    :math:`g_m = \sum_r \nabla \sum_{t \in rm} v_t l_t / D`, D = `denominator` (this
+    microbatch's share of the token mean), as a training loop calling its optimizer every
+    micro-step does: the last update `tx` emitted, and its state."""
+
+    def micro_step(carry, mb: Microbatch):
+        opt_state, _ = carry
+        _, grads = jax.value_and_grad(lambda p: token_loss_sum(p, mb) / denominator)(params)
+        updates, opt_state = tx.update(lax.psum(grads, ctx.axis), opt_state)
+        return (opt_state, updates), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    (state, updates), _ = lax.scan(micro_step, (state, zeros), batch)
+    return updates, state
+
+
 def microbatch_mean(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
     r"""optax.MultiSteps with a mean loss (transformers#34191; nanoGPT; T5X microbatches; Levanter
     MEAN): every microbatch's own token mean, its gradient pmean'd over ranks, and MultiSteps
@@ -165,20 +189,7 @@ def double_accum_divide(
     Logs D."""
     tx = _multisteps(params, ctx)  # BUG: averages the M gradients; summing them was right
     D = _global_count(batch, ctx)
-    dtype = dtype_of(params)
-
-    def micro_step(carry, mb: Microbatch):
-        opt_state, _ = carry
-
-        def window_loss(p: Params) -> jax.Array:  # this microbatch's share of the token mean
-            return token_loss_sum(p, mb) / D.astype(dtype)
-
-        _, grads = jax.value_and_grad(window_loss)(params)
-        updates, opt_state = tx.update(lax.psum(grads, ctx.axis), opt_state)
-        return (opt_state, updates), None
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
-    (state, updates), _ = lax.scan(micro_step, (state, zeros), batch)
+    updates, state = _feed_microbatches(tx, params, batch, D.astype(dtype_of(params)), state, ctx)
     return WindowOut(updates, D, state)
 
 
@@ -222,15 +233,7 @@ def clip_per_microbatch(
     :math:`\lVert g_m \rVert` exceeds c. The state is the chain's. Logs D."""
     tx = _clip_then_accumulate(ctx)
     D = _global_count(batch, ctx).astype(dtype_of(params))
-
-    def micro_step(carry, mb: Microbatch):
-        opt_state, _ = carry
-        _, grads = jax.value_and_grad(lambda p: token_loss_sum(p, mb) / D)(params)
-        updates, opt_state = tx.update(lax.psum(grads, ctx.axis), opt_state)
-        return (opt_state, updates), None
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
-    (state, updates), _ = lax.scan(micro_step, (state, zeros), batch)
+    updates, state = _feed_microbatches(tx, params, batch, D, state, ctx)
     return WindowOut(updates, D, state)
 
 

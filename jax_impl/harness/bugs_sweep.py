@@ -30,7 +30,7 @@ from jax_impl.harness.bugs import BUG_STEPS
 from jax_impl.harness.bugs_common import AXIS, StepContext, WindowOut
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params, params_from_numpy
-from jax_impl.shard_map_step import data_mesh
+from jax_impl.shard_map_step import data_mesh, rank_varying
 
 
 class BugResult(NamedTuple):
@@ -104,11 +104,8 @@ def _cached_sweep(
 
     def per_device(params: Params, batch: Microbatch, states: tuple, skew: jax.Array):
         ctx = StepContext(AXIS, batch.targets.shape[1], clip_norm, skew)
-        # shard_map params are axis-invariant, and the transpose of the implicit
-        # invariant -> varying cast is a psum: jax.grad would return the gradient already
-        # summed over ranks. As rank-varying params, jax.grad gives this rank's own gradient
-        # (as pmap or DDP do), and each step's own collectives are the only reduction.
-        local_params = jax.lax.pcast(params, (AXIS,), to="varying")
+        # Each step's own collectives must be the only reduction (see `rank_varying`).
+        local_params = rank_varying(params, AXIS)
         rank_batch = jax.tree.map(lambda x: x[0], batch)  # [1, M, B, T] -> [M, B, T]
         outs = []
         for step, state in zip(steps, states, strict=True):

@@ -4,31 +4,25 @@ A multi-process collective hangs when one peer dies: the others wait for a messa
 comes. So the launcher polls all processes, and as soon as one exits with an error, or the
 deadline passes, it kills the rest and raises with each process's exit status (a signal by
 name) and the tail of its stderr. Output goes to files, never to pipes, so a chatty worker
-cannot block on a full pipe buffer either.
+cannot block on a full pipe buffer either; what a worker leaves for its launcher to read is
+written with `write_atomically`, so that it is never read half-written.
 
-Process groups. Every worker is the leader of a process group of its own (a new session:
-``start_new_session=True``, or ``setsid`` in a child forked by `jax_impl.harness.zygote`), and what
-a worker starts (a user's step may start subprocesses) stays in that group. Killing the group
-kills them all. This module keeps a registry of the groups it and `jax_impl.harness.zygote` started
-that may still be alive (workers and zygotes):
-
-- `run_workers` kills its own groups (SIGKILL) in a ``finally``, on every exit path: all
-  workers done, one failed, the deadline, an exception or KeyboardInterrupt in the caller.
-  So nothing a launch started outlives it, not even a child of a worker that exited 0.
-- `terminate_all` stops every registered group (SIGTERM, then SIGKILL after a grace): for a
-  signal handler or an interrupted caller (`crosscheck.launch.processes` calls it).
-
-A killed group is waited for until no live process is left in it (zombies count as gone: on
-Linux the process table is read from /proc; elsewhere ``killpg(pgid, 0)``), at most
-`KILL_WAIT_S`; a SIGKILL that has not landed by then is left to the OS.
+Process groups. Every worker leads a process group of its own, with whatever it starts, kept in
+the registry of `jax_impl.harness.process_groups`. `run_workers` kills its own groups (SIGKILL)
+in a ``finally``, on every exit path: all workers done, one failed, the deadline, an exception
+or KeyboardInterrupt in the caller. So nothing a launch started outlives it, not even a child
+of a worker that exited 0; a killed group is waited for at most `KILL_WAIT_S`. `terminate_all`
+(exported from there) stops every registered group: for a signal handler or an interrupted
+caller (`crosscheck.launch.processes` calls it).
 
 Port reservation. `reserve_port` holds a port for a jax.distributed coordinator from before
 the workers start until the launch ends, so that concurrent launches never pick the same one
 (see its docstring).
 
 This module must load without the jax_impl package (importing that imports JAX):
-`crosscheck.bugs.jax_bugs._launch` loads this file alone, as ``jax_impl.harness.launch``, into
-processes that must not import JAX. So: the standard library only.
+`crosscheck.launch.workers.jax_launch` loads this file and `jax_impl.harness.process_groups`
+alone, under their own names, into processes that must not import JAX. So: the standard
+library and `jax_impl.harness.process_groups` only.
 """
 
 from __future__ import annotations
@@ -39,12 +33,19 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+
+from jax_impl.harness.process_groups import (
+    TERMINATE_KILL_WAIT_S as TERMINATE_KILL_WAIT_S,  # terminate_all's, exported with it
+)
+from jax_impl.harness.process_groups import GroupLeader, register_group, stop_groups
+from jax_impl.harness.process_groups import (
+    terminate_all as terminate_all,  # what crosscheck.launch.processes calls on a launcher
+)
 
 if TYPE_CHECKING:  # not at run time: this module must load without the jax_impl package
     from jax_impl.harness.zygote import Zygote
@@ -62,10 +63,6 @@ SMALL_PROGRAM_XLA_FLAGS = (
 )
 #: How long `run_workers` waits for the groups it killed to be gone.
 KILL_WAIT_S = 10.0
-#: `terminate_all`: how long to wait for the groups after the SIGKILL that follows the grace.
-TERMINATE_KILL_WAIT_S = 2.0
-#: How often a wait for killed groups looks again.
-_GONE_POLL_S = 0.01
 
 
 class LaunchError(RuntimeError):
@@ -97,169 +94,6 @@ class WorkerResult:
     def stderr_tail(self, num_chars: int = 3000) -> str:
         text = self.stderr_path.read_text(errors="replace")
         return text[-num_chars:]
-
-
-class _Leader(Protocol):
-    """What the registry needs of a group leader: `subprocess.Popen` or `ZygoteChild`."""
-
-    pid: int
-
-    def poll(self) -> int | None: ...
-
-
-# ---- the registry of process groups ----------------------------------------------------------
-
-# Re-entrant: terminate_all may run in a signal handler that interrupted this very thread
-# while it held the lock to register a group.
-_registry_lock = threading.RLock()
-#: pgid (= the leader's pid) -> (leader, whether it is a server that forks workers), for every
-#: group that may still hold a live process.
-_registry: dict[int, tuple[_Leader, bool]] = {}
-
-
-def register_group(leader: _Leader, *, server: bool = False) -> None:
-    """Remember `leader`'s process group until it is known to be gone (see `terminate_all`).
-
-    A `server` (a zygote) forks workers: `terminate_all` stops it after the workers, so that it
-    can still reap them and report how they ended.
-    """
-    with _registry_lock:
-        _registry[leader.pid] = (leader, server)
-
-
-def forget_group(leader: _Leader) -> None:
-    """Stop tracking `leader`'s group (its processes are gone)."""
-    with _registry_lock:
-        entry = _registry.get(leader.pid)
-        if entry is not None and entry[0] is leader:
-            del _registry[leader.pid]
-
-
-def registered_groups() -> list[int]:
-    """The pgids of every group still registered (for tests and diagnostics)."""
-    with _registry_lock:
-        return sorted(_registry)
-
-
-def _live_groups() -> set[int] | None:
-    """The pgid of every live process on the machine, or None where /proc cannot tell.
-
-    A zombie counts as gone: its exit status is all that is left of it (here, PID 1 may not
-    reap orphans at all, so a killed worker's children can stay zombies for ever).
-    """
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    groups = set()
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # exited while we looked
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = stat.rsplit(b")", 1)[-1].split()
-        if len(fields) > 2 and fields[0] not in (b"Z", b"X"):
-            groups.add(int(fields[2]))
-    return groups
-
-
-def _alive(leaders: Iterable[_Leader]) -> list[_Leader]:
-    """The leaders whose group is not gone yet: the leader's exit status is not known (for a
-    worker forked by a zygote, until the zygote has reaped it), or a live process is left in
-    the group (what the leader started)."""
-    leaders = list(leaders)
-    running = {id(leader) for leader in leaders if leader.poll() is None}  # reaps ours
-    table = _live_groups()
-    alive = []
-    for leader in leaders:
-        if id(leader) in running:
-            alive.append(leader)
-        elif table is not None:
-            if leader.pid in table:
-                alive.append(leader)
-        else:
-            try:
-                os.killpg(leader.pid, 0)
-            except ProcessLookupError:
-                continue
-            except PermissionError:
-                pass
-            alive.append(leader)
-    return alive
-
-
-def _signal_group(leader: _Leader, signum: int) -> bool:
-    """Send `signum` to `leader`'s group; True when it reached a process."""
-    reached = False
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(leader.pid, signum)
-        reached = True
-    if leader.poll() is None:
-        # Still running and not yet reaped, so the pid is still this leader's: reach it even
-        # if it were not (yet) the leader of its group.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(leader.pid, signum)
-            reached = True
-    return reached
-
-
-def _wait_gone(leaders: Sequence[_Leader], timeout_s: float) -> list[_Leader]:
-    """Wait until no group of `leaders` holds a live process, at most `timeout_s`; returns
-    the leaders of the groups still alive then."""
-    deadline = time.monotonic() + timeout_s
-    alive = _alive(leaders)
-    while alive and time.monotonic() < deadline:
-        time.sleep(_GONE_POLL_S)
-        alive = _alive(alive)
-    return alive
-
-
-def stop_groups(leaders: Iterable[_Leader], *, grace_s: float = 0.0, wait_s: float) -> int:
-    """Stop the process groups of `leaders`; returns how many groups it signalled.
-
-    With `grace_s` > 0: SIGTERM, up to `grace_s` for the groups to exit, then SIGKILL to what
-    is left; with 0: SIGKILL at once. Then waits up to `wait_s` for every group to be gone and
-    forgets the ones that are. At most ``grace_s + wait_s`` (plus a /proc scan) in all.
-    """
-    leaders = list(leaders)
-    alive = _alive(leaders)
-    first = signal.SIGTERM if grace_s > 0 else signal.SIGKILL
-    signalled = sum(_signal_group(leader, first) for leader in alive)
-    if grace_s > 0 and alive:
-        for leader in _wait_gone(alive, grace_s):
-            _signal_group(leader, signal.SIGKILL)
-    left = _wait_gone(alive, wait_s) if alive else []
-    for leader in leaders:
-        if leader not in left:
-            forget_group(leader)
-    return signalled
-
-
-def terminate_all(grace_s: float = 2.0) -> int:
-    """Stop every process group this module registered; returns how many groups it signalled.
-
-    Each group is a worker, with everything it started, or a zygote. Workers first: SIGTERM to
-    each group, up to `grace_s` for them to exit, SIGKILL to what is left, then up to
-    `TERMINATE_KILL_WAIT_S` until they are gone (reaping the ones that are ours); then the
-    zygotes the same way (a zygote exits on SIGTERM at once). At most ``grace_s + 2 s`` for
-    each of the two rounds; a worker that exits on SIGTERM makes its round last milliseconds.
-    Idempotent, safe to call from the main thread while other threads wait on these processes
-    (their `run_workers` then sees the workers die and raises), and never raises.
-    """
-    signalled = 0
-    try:
-        with _registry_lock:
-            entries = list(_registry.values())
-        for servers in (False, True):
-            leaders = [leader for leader, server in entries if server is servers]
-            signalled += stop_groups(leaders, grace_s=grace_s, wait_s=TERMINATE_KILL_WAIT_S)
-    except Exception:  # a signal handler's last resort must not fail the way out
-        pass
-    return signalled
 
 
 # ---- coordinator ports -----------------------------------------------------------------------
@@ -311,6 +145,17 @@ def reserve_port() -> PortReservation:
     return PortReservation()
 
 
+# ---- files a worker leaves -------------------------------------------------------------------
+
+
+def write_atomically(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` under a temporary name, then rename it into place: a reader (a
+    launcher, at any moment, even after a kill) sees the whole file or no file."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
 # ---- running workers -------------------------------------------------------------------------
 
 
@@ -328,7 +173,7 @@ def describe_status(returncode: int | None) -> str:
 
 
 def _describe(
-    processes: Sequence[_Leader], codes: Sequence[int | None], paths: Sequence[Path]
+    processes: Sequence[GroupLeader], codes: Sequence[int | None], paths: Sequence[Path]
 ) -> str:
     """One status paragraph per worker (as it was before the kill) with its stderr tail."""
     lines = []
@@ -362,7 +207,7 @@ def run_workers(
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    processes: list[_Leader] = []
+    processes: list[GroupLeader] = []
     forked: list[bool] = []
     paths: list[tuple[Path, Path]] = []
     deadline = time.monotonic() + timeout_s
@@ -371,7 +216,7 @@ def run_workers(
         for index, command in enumerate(commands):
             out_path, err_path = log_dir / f"worker{index}.out", log_dir / f"worker{index}.err"
             paths.append((out_path, err_path))
-            child: _Leader | None = None
+            child: GroupLeader | None = None
             if zygote is not None and zygote.alive and list(command[:2]) == [sys.executable, "-m"]:
                 with contextlib.suppress(zygote.Error):  # a failed zygote is a slower start
                     child = zygote.spawn(
@@ -404,27 +249,19 @@ def run_workers(
                     f"worker {i} (pid {processes[i].pid}) {describe_status(rc)}"
                     for i, rc in failed.items()
                 )
-                stop_groups(processes, wait_s=kill_wait_s)
-                stopped = True
-                details = _describe(processes, codes, [err for _, err in paths])
-                raise LaunchError(
-                    f"worker(s) {sorted(failed)} failed: {what}; the others were stopped\n"
-                    f"{details}",
-                    failed=failed,
-                )
-            if all(rc == 0 for rc in codes):
+                why = f"worker(s) {sorted(failed)} failed: {what}; the others were stopped"
+            elif all(rc == 0 for rc in codes):
                 break
-            if time.monotonic() > deadline:
+            elif time.monotonic() > deadline:
                 running = [i for i, rc in enumerate(codes) if rc is None]
-                stop_groups(processes, wait_s=kill_wait_s)
-                stopped = True
-                details = _describe(processes, codes, [err for _, err in paths])
-                raise LaunchError(
-                    f"worker(s) {running} still running after {timeout_s:.0f} s; all stopped\n"
-                    f"{details}",
-                    timed_out=True,
-                )
-            time.sleep(POLL_INTERVAL_S)
+                why = f"worker(s) {running} still running after {timeout_s:.0f} s; all stopped"
+            else:
+                time.sleep(POLL_INTERVAL_S)
+                continue
+            stop_groups(processes, wait_s=kill_wait_s)
+            stopped = True
+            details = _describe(processes, codes, [err for _, err in paths])
+            raise LaunchError(f"{why}\n{details}", failed=failed, timed_out=not failed)
     finally:
         # Every exit path, the normal one too: a worker that exited 0 may have left children.
         # (Not twice: a second wait for a group the kernel is slow to take down would double

@@ -3,8 +3,9 @@
 Each process owns one CPU device and one rank; the "data" mesh spans all processes and the
 shard_map step runs unchanged (`jax_impl.shard_map_step`), each process supplying its own
 rank's rows. `launch_multiprocess` starts real worker processes (``python -m
-jax_impl.harness.multiprocess``) through `jax_impl.harness.launch.run_workers`, so every wait is
-bounded and a crashed worker stops the others instead of leaving them blocked in a collective.
+jax_impl.harness.multiprocess_worker``, which joins the job and runs the step) through
+`jax_impl.harness.launch.run_workers`, so every wait is bounded and a crashed worker stops the
+others instead of leaving them blocked in a collective.
 
 A worker runs a *spec* (JSON), plain data so that no harness code enters the workers:
 ``cases`` (``[{"fixture": path to a six-array fixture .npz, "accum_steps": M}]``; R is the
@@ -31,40 +32,23 @@ on a fresh port.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
 import re
-import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh
 
-from jax_impl.batch import lay_out_global_batch, rank_slice
-from jax_impl.denominators import denominator_dtype
 from jax_impl.harness.launch import LaunchError, PortReservation, reserve_port, run_workers
 from jax_impl.harness.zygote import Zygote
-from jax_impl.losses import Microbatch
-from jax_impl.model import Params, params_from_numpy
-from jax_impl.shard_map_step import (
-    data_mesh,
-    init_opt_state,
-    make_shard_map_sweep,
-    replicate,
-    shard_batch,
-)
-from jax_impl.update import StepConfig, SweepFn, UpdateResult, apply_optimizer
 
-WORKER_TIMEOUT_S = 60  # jax.distributed's own waits (initialization, heartbeat, shutdown)
+#: The module each process runs: ``python -m jax_impl.harness.multiprocess_worker``.
+WORKER_MODULE = "jax_impl.harness.multiprocess_worker"
 #: Exit status of process 0 when the coordinator's port is taken (EX_TEMPFAIL): the launch is
 #: retried on another port.
 PORT_TAKEN_EXIT = 75
@@ -75,189 +59,8 @@ _GRPC_BIND_FAILED = "Failed to add port to server"
 PORT_ATTEMPTS = 3
 
 
-def check_coordinator_port(coordinator_address: str) -> str:
-    """Why the coordinator cannot bind `coordinator_address`'s port, or '' when it can.
-
-    Binds the port as the coordinator's gRPC server does (SO_REUSEPORT where it exists, so a
-    launcher's `PortReservation` does not count as taken) and lets it go. Without this check a
-    taken port crashes process 0 inside XLA (SIGSEGV) with a one-line gRPC error.
-    """
-    host, _, port = coordinator_address.rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        if hasattr(socket, "SO_REUSEPORT"):
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            probe.bind((host, int(port)))
-        except OSError as error:
-            return f"the coordinator port {port} on {host} is taken ({error.strerror})"
-    return ""
-
-
-def initialize(
-    coordinator_address: str, num_processes: int, process_id: int, *, timeout_s: int = 60
-) -> None:
-    """Join the job: gloo CPU collectives, then ``jax.distributed.initialize`` with timeouts.
-
-    Every process compiles each SPMD program itself. (jax's ``share_binary_between_hosts``
-    would compile once and hand the binary over, but on CPU in jax 0.10 the persistent-cache
-    key differs between processes, so the receivers wait for a key nobody publishes.)
-    """
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=timeout_s,
-        heartbeat_timeout_seconds=timeout_s,
-        shutdown_timeout_seconds=timeout_s,
-    )
-
-
-def global_data_mesh() -> tuple[Mesh, int]:
-    """The "data" mesh over every process's device, rank r on process r; and our rank."""
-    if jax.local_device_count() != 1:
-        raise RuntimeError(
-            f"process {jax.process_index()}: expected 1 local device, found "
-            f"{jax.local_device_count()}; do not force a host device count in XLA_FLAGS"
-        )
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return data_mesh(len(devices), devices=devices), devices.index(jax.local_devices()[0])
-
-
 def variant_name(strategy: str, collective: str) -> str:
     return f"{strategy}-{collective}"
-
-
-def _optimizer(settings: Mapping[str, Any]) -> optax.GradientTransformation:
-    settings = dict(settings)
-    name = settings.pop("name")
-    if name == "adamw":
-        return optax.adamw(**settings)
-    if name == "sgd":
-        return optax.sgd(**settings)
-    raise ValueError(f"spec optimizer: name must be 'adamw' or 'sgd', got {name!r}")
-
-
-def _own(x: jax.Array) -> np.ndarray:
-    """This process's block: the whole value if replicated, its rank's entry if per-rank.
-
-    bfloat16 comes back as float32 (exact: every bfloat16 is a float32)."""
-    value = np.asarray(x.addressable_data(0))
-    return value.astype(np.float32) if x.dtype == jnp.bfloat16 else value
-
-
-def _run_schemes(
-    sweep: SweepFn,
-    configs: Sequence[StepConfig],
-    params0: Params,
-    batch: Microbatch,
-    spec: Mapping[str, Any],
-    prefix: str,
-    results: dict[str, np.ndarray],
-    stall_marker: Path | None = None,
-) -> None:
-    """`num_updates` consecutive updates per scheme, every variant from the same start."""
-    state0 = init_opt_state(configs[0].optimizer, params0)
-    pending: list[tuple[str, UpdateResult]] = []
-    for scheme in spec["schemes"]:
-        params, states = [params0] * len(configs), [state0] * len(configs)
-        for update in range(spec["num_updates"]):
-            reduced = sweep(params, batch, scheme)
-            if stall_marker is not None:
-                # Test hook: stop in the middle of the run, gradients reduced but the update
-                # not applied, so the peers block in their next collective.
-                jax.block_until_ready(reduced)
-                stall_marker.write_text(str(os.getpid()))
-                time.sleep(3600)
-            for v, config in enumerate(configs):
-                out = apply_optimizer(reduced[v], params[v], states[v], config)
-                params[v], states[v] = out.params, out.opt_state
-                name = variant_name(config.strategy.value, config.collective.value)
-                pending.append((f"{prefix}/{name}/{scheme}/{update}", out))
-    # Read back only after everything was dispatched: a host sync per update would make every
-    # process wait for the slowest peer's compile and collective at each step.
-    for key, out in pending:
-        for leaf in ("embed", "unembed"):
-            results[f"{key}/grads.{leaf}"] = _own(out.grads[leaf])
-            results[f"{key}/params.{leaf}"] = _own(out.params[leaf])
-        for field, value in out.metrics._asdict().items():
-            results[f"{key}/{field}"] = _own(value)
-
-
-def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
-    """Run every case of `spec` on the global mesh; write this process's results."""
-    mesh, rank = global_data_mesh()
-    optimizer = _optimizer(spec["optimizer"])
-    configs = [
-        StepConfig(
-            optimizer=optimizer,
-            strategy=strategy,
-            collective=collective,
-            max_grad_norm=spec.get("max_grad_norm"),
-        )
-        for strategy, collective in spec["variants"]
-    ]
-    sweep = make_shard_map_sweep(configs, mesh)
-    results: dict[str, np.ndarray] = {"rank": np.asarray(rank)}
-    stall = (
-        out_path.with_suffix(".stalled")
-        if spec.get("stall_process") == jax.process_index()
-        else None
-    )
-    for case_index, case in enumerate(spec["cases"]):
-        with np.load(case["fixture"]) as archive:
-            arrays = {key: archive[key] for key in archive.files}
-        for dtype in spec["dtypes"]:
-            laid_out = lay_out_global_batch(
-                arrays,
-                mesh.size,
-                case["accum_steps"],
-                vocab_size=arrays["embed"].shape[0],
-                # Not the params' dtype: a bfloat16 weight is already rounded to 8 bits.
-                weights_dtype=np.dtype(denominator_dtype().name),
-            )
-            # Each process places only its own rank's rows; the global array spans them all.
-            batch = shard_batch(rank_slice(laid_out, rank), mesh)
-            params = {key: arrays[key] for key in ("embed", "unembed")}
-            params0 = replicate(params_from_numpy(params, dtype), mesh)
-            _run_schemes(
-                sweep, configs, params0, batch, spec, f"{case_index}/{dtype}", results, stall
-            )
-    tmp = out_path.with_suffix(".tmp")
-    tmp.write_bytes(pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL))
-    tmp.replace(out_path)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Worker entry point.
-
-    ``python -m jax_impl.harness.multiprocess --spec S --process-id I ...``.
-    """
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--coordinator", required=True, help="host:port of process 0")
-    parser.add_argument("--num-processes", type=int, required=True)
-    parser.add_argument("--process-id", type=int, required=True)
-    parser.add_argument("--spec", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True, help="directory for process<i>.pkl")
-    args = parser.parse_args(argv)
-    spec = json.loads(args.spec.read_text())
-    # x64 is global and must be set before any array exists; float32 cases stay float32
-    # because every array they use is cast to float32 explicitly.
-    jax.config.update("jax_enable_x64", bool(spec.get("x64", False)))
-    if args.process_id == 0:
-        taken = check_coordinator_port(args.coordinator)
-        if taken:
-            print(f"process 0: {taken}; the launch should retry on another port", file=sys.stderr)
-            return PORT_TAKEN_EXIT
-    initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=WORKER_TIMEOUT_S)
-    if spec.get("fail_process") == args.process_id:
-        # Test hook: die after joining, so that the peers block in their first collective and
-        # the launcher has to notice and stop them.
-        print(f"process {args.process_id}: failing on purpose (spec fail_process)", file=sys.stderr)
-        os._exit(3)
-    run_spec(spec, args.out / f"process{args.process_id}.pkl")
-    jax.distributed.shutdown()
-    return 0
 
 
 def worker_env(base: Mapping[str, str] | None = None, extra_xla_flags: str = "") -> dict[str, str]:
@@ -351,7 +154,7 @@ def _launch_once(
     coordinator = f"127.0.0.1:{reservation.port}"
     commands = [
         [
-            sys.executable, "-m", "jax_impl.harness.multiprocess",
+            sys.executable, "-m", WORKER_MODULE,
             "--coordinator", coordinator,
             "--num-processes", str(num_processes),
             "--process-id", str(i),
@@ -369,7 +172,3 @@ def _launch_once(
             failed=error.failed,
             timed_out=error.timed_out,
         ) from None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

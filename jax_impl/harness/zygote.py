@@ -1,15 +1,15 @@
 """A zygote: one process imports JAX once, then forks a worker for every ``python -m`` command.
 
 Importing jax, optax and orbax costs a worker process about 1.3 s of CPU before it does
-anything; a harness run starts a dozen workers. The zygote (``python -m jax_impl.harness.zygote
-MODULE...``) imports the given modules once and stays single-threaded; for each request it
-forks a child that takes the request's environment, working directory and output files and
-runs the module as ``__main__`` with the request's arguments. Differences from a fresh
-``python -m MODULE``: the modules the zygote imported are already imported; ``sys.argv[0]``
-is the module's name; ``sys.path`` and whatever a module reads from the environment at
-import time come from the zygote's environment (so it is started with the workers'); and the
-child ends with ``os._exit`` after flushing its output, so atexit handlers do not run (the
-workers shut down what they start themselves).
+anything; a harness run starts a dozen workers. The zygote (``python -m
+jax_impl.harness.zygote_server MODULE...``) imports the given modules once and stays
+single-threaded; for each request it forks a child that takes the request's environment,
+working directory and output files and runs the module as ``__main__`` with the request's
+arguments. Differences from a fresh ``python -m MODULE``: the modules the zygote imported are
+already imported; ``sys.argv[0]`` is the module's name; ``sys.path`` and whatever a module
+reads from the environment at import time come from the zygote's environment (so it is
+started with the workers'); and the child ends with ``os._exit`` after flushing its output, so
+atexit handlers do not run (the workers shut down what they start themselves).
 
 That is sound for JAX because importing jax creates no backend: XLA_FLAGS (the fake device
 count, compile flags) and ``jax.config`` updates made by the worker take effect in the child.
@@ -22,11 +22,14 @@ same id and the child's pid, or an error. When a child exits, the zygote writes 
 to the request's status file (atomically) before reaping it, so the pid cannot be reused
 while the client may still signal it. A closed stdin stops the zygote.
 
+This module is the client side (`Zygote`, which `jax_impl.harness.launch.run_workers` asks for
+workers); the zygote process itself is `jax_impl.harness.zygote_server`.
+
 Process groups: the zygote is started in a session of its own, and every child it forks leads
 a process group of its own (``setsid`` in the child, ``setpgid`` in the zygote too, so the group
 exists before the client learns the pid): `jax_impl.harness.launch` kills a worker's group, with
-whatever the worker started, and registers the zygote's so that
-`jax_impl.harness.launch.terminate_all` stops it too.
+whatever the worker started, and the zygote's group is registered with
+`jax_impl.harness.process_groups`, so that its `terminate_all` stops the zygote too.
 
 Where it runs: only where the platform has what it uses (`unavailable` says why not): ``fork``,
 ``os.waitid`` with ``P_ALL``, ``WNOHANG``, ``WEXITED`` and ``WNOWAIT`` (macOS has no
@@ -39,21 +42,18 @@ and the harness starts plain processes instead: slower, not different.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
-import runpy
 import select
 import signal
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from jax_impl.harness import launch
+from jax_impl.harness import process_groups
 
 #: Seconds the client waits for the zygote to answer a request (a fork takes milliseconds).
 REPLY_TIMEOUT_S = 30.0
@@ -73,7 +73,7 @@ _REQUIRED_OS = (
     "killpg",
 )
 #: How often the zygote looks for exited children while it waits for requests.
-_REAP_INTERVAL_S = 0.02
+REAP_INTERVAL_S = 0.02
 
 
 class ZygoteError(RuntimeError):
@@ -135,7 +135,7 @@ class ZygoteChild:
         while self.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(_REAP_INTERVAL_S)
+            time.sleep(REAP_INTERVAL_S)
         return self.returncode  # type: ignore[return-value]
 
 
@@ -171,14 +171,14 @@ class Zygote:
         self._log_path = Path(log_path)
         with self._log_path.open("ab") as log:  # the child keeps its own copy of the fd
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "jax_impl.harness.zygote", *preload],
+                [sys.executable, "-m", "jax_impl.harness.zygote_server", *preload],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 env=dict(env),
                 start_new_session=True,  # a group of its own, like every worker
             )
-        launch.register_group(self._process, server=True)
+        process_groups.register_group(self._process, server=True)
         self._reply_buffer = b""
         self._next_id = 0
         try:
@@ -276,130 +276,7 @@ class Zygote:
             self._process.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(timeout=5.0)
-        launch.stop_groups([self._process], wait_s=5.0)  # forgets it once it is gone
+        process_groups.stop_groups([self._process], wait_s=5.0)  # forgets it once it is gone
         with contextlib.suppress(OSError):
             if self._log_path.stat().st_size == 0:  # nothing went wrong: leave nothing behind
                 self._log_path.unlink()
-
-
-# ---- the zygote process ----------------------------------------------------------------------
-
-
-def _write(line: dict) -> None:
-    os.write(1, json.dumps(line).encode() + b"\n")
-
-
-def _thread_count() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
-
-
-def _child(request: dict) -> None:
-    """In the forked child: become ``python -m module args`` and exit with its status."""
-    code = 1
-    try:
-        # A group of our own, so that killing it kills what the worker starts too. The zygote
-        # makes us a group leader as well (setpgid), which fails setsid: then the group it
-        # made is ours, and a session of our own is only a nicety.
-        with contextlib.suppress(OSError):
-            os.setsid()
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
-        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-        os.environ.clear()
-        os.environ.update(request["env"])
-        if request["cwd"]:
-            os.chdir(request["cwd"])
-        sys.argv = [request["module"], *request["args"]]
-        try:
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exit_:
-            if exit_.code is None or isinstance(exit_.code, int):
-                code = exit_.code or 0
-            else:
-                print(exit_.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def _reap(children: dict[int, str]) -> None:
-    """Write the exit code of every child that has exited to its status file, then reap it.
-
-    ``waitid(WNOWAIT)`` leaves the exited child a zombie while its status is written, so its
-    pid is not free for reuse until the client can see that it exited.
-    """
-    while children:
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return
-        if info is None or info.si_pid == 0:
-            return
-        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        path = children.pop(info.si_pid, None)
-        if path is not None:
-            tmp = f"{path}.tmp"
-            try:
-                with open(tmp, "w") as f:
-                    f.write(str(code))
-                os.replace(tmp, path)
-            except OSError:
-                pass  # its log directory is gone: the client stopped waiting for it
-        os.waitpid(info.si_pid, 0)
-
-
-def serve(preload: Sequence[str]) -> int:
-    """Import `preload`, then fork a child per request on stdin until stdin closes."""
-    why_not = platform_unsupported()
-    if why_not:  # the client checks too; a zygote started anyway must not fail its first job
-        _write({"ready": False, "error": why_not})
-        return 3
-    for module in preload:
-        importlib.import_module(module)
-    threads = _thread_count()
-    if threads != 1:
-        _write({"ready": False, "error": f"{threads} threads after the imports; fork is unsafe"})
-        return 3
-    _write({"ready": True})
-    children: dict[int, str] = {}
-    buffer = b""
-    while True:
-        readable, _, _ = select.select([0], [], [], _REAP_INTERVAL_S)
-        _reap(children)
-        if not readable:
-            continue
-        chunk = os.read(0, 65536)
-        if not chunk:
-            break
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            request: dict = {}
-            try:
-                request = json.loads(line)
-                pid = os.fork()
-            except Exception as error:
-                _write({"id": request.get("id"), "error": f"{type(error).__name__}: {error}"})
-                continue
-            if pid == 0:
-                _child(request)
-            # The child's group exists before the client learns its pid (the child's own
-            # setsid may not have run yet): a kill of the group can never miss it.
-            with contextlib.suppress(OSError):
-                os.setpgid(pid, pid)
-            children[pid] = request["status"]
-            _write({"id": request["id"], "pid": pid})
-    # stdin closed: the client is gone or done. Children already running finish on their own.
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1:]))

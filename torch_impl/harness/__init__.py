@@ -1,6 +1,8 @@
 """What runs the torch reference rather than what it is: rank processes and their fork server
-(`launcher`, `rank_processes`), the per-rank case loop (`cases`), a user's step under watch
-(`user_step`, `step_watch`) and the buggy loops of the bug catalogue.
+(`launcher`, its rank side `rank_worker`, `rank_processes`, `rank_start`, `process_groups`), the
+per-rank case loop (`cases`, on the `jobs` every rank is handed), a user's step under watch
+(`user_step`, `step_watch`, `step_gradient`) and the buggy loops of the bug catalogue (`bugs`,
+`bugs_windows`, `windows`).
 
 The reference modules never import it; ``torch_impl`` re-exports `launch` and its two errors
 for convenience.

@@ -14,116 +14,34 @@ The intended token mean is :math:`g = \nabla \sum_t v_t l_t / D`. DDP *averages*
 gradients, so a correct loop backpropagates :math:`R \sum_{t \in (r, m)} v_t l_t / D` on every
 microbatch: the average of R such gradients is g (torchtitan multiplies by the world size for
 the same reason). Each bug below deviates from that loop in exactly one place, marked ``BUG``.
-As in the real loops, no bug guards 0/0: a step whose denominator is 0 produces NaN.
+As in the real loops, no bug guards 0/0: a step whose denominator is 0 produces NaN. The pieces
+the loops share (`Window`, the sync context, the global count, the scaled window) are in
+``torch_impl.harness.windows``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.functional import cross_entropy
 
-from torch_impl.batch import IGNORE_INDEX, TokenBatch
+from torch_impl.batch import TokenBatch
+from torch_impl.harness.windows import (
+    Window,
+    WindowStep,
+    accumulating,
+    cross_entropy_of,
+    global_sum,
+    local_valid,
+    scaled_sum_window,
+    token_mean_with_count,
+)
 
 #: The calibration step's id (crosscheck.diagnosis.patterns.RANK_SKEW; torch_impl does not import
 #: the harness, so the string is repeated here and checked against it in the tests).
 RANK_SKEW = "rank-skew"
-
-
-@dataclass(kw_only=True, slots=True)
-class Window:
-    """Where a window runs, and what its loop keeps from one window to the next."""
-
-    rank: int
-    world_size: int
-    accum_steps: int
-    #: rank-skew only: rank 0's loss is multiplied by this.
-    skew: float = 1.0
-    #: clip-per-microbatch only: each microbatch gradient's max global norm.
-    clip_norm: float = 0.15
-    #: State living outside the window loop (a trainer attribute); only stale-count uses it.
-    carry: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-#: One window of a buggy loop: (model, this rank's M microbatches, window) -> logged denominator.
-WindowStep = Callable[[nn.Module, Sequence[TokenBatch], Window], float]
-
-
-# --- the pieces every loop is made of --------------------------------------------------------
-
-
-def _accumulating(
-    model: nn.Module, step: int, accum_steps: int
-) -> contextlib.AbstractContextManager:
-    """``model.no_sync()`` for all but the window's last microbatch: DDP then reduces once."""
-    return model.no_sync() if step < accum_steps - 1 else contextlib.nullcontext()
-
-
-def _cross_entropy(model: nn.Module, batch: TokenBatch, reduction: str) -> torch.Tensor:
-    """``F.cross_entropy`` of the model's logits; ignored targets (-100) carry no loss.
-
-    bf16 logits are upcast to float32 first, as Hugging Face's ``logits.float()`` does, so the
-    loss, and any count it is divided by, is never rounded to 8 bits (float64 and float32
-    logits are left as they are)."""
-    logits = model(batch.inputs)
-    if logits.dtype == torch.bfloat16:
-        logits = logits.float()
-    losses = cross_entropy(
-        logits.flatten(0, 1),
-        batch.targets.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction=reduction,
-    )
-    return losses.view(batch.targets.shape) if reduction == "none" else losses
-
-
-def _global_sum(local: torch.Tensor) -> torch.Tensor:
-    """Sum a per-rank count over ranks (in place, as loops do, and returned)."""
-    dist.all_reduce(local, op=dist.ReduceOp.SUM)
-    return local
-
-
-def _local_valid(microbatches: Sequence[TokenBatch]) -> torch.Tensor:
-    """n_r: this rank's valid targets over its M microbatches, an int64 tensor."""
-    return sum((batch.valid.sum() for batch in microbatches), torch.zeros((), dtype=torch.int64))
-
-
-def _scaled_sum_window(
-    model: nn.Module,
-    microbatches: Sequence[TokenBatch],
-    window: Window,
-    denominator: torch.Tensor | float,
-    scale: float,
-) -> None:
-    """Backpropagate ``sum_t l_t * scale / denominator`` on every microbatch; sync the last."""
-    for step, batch in enumerate(microbatches):
-        with _accumulating(model, step, window.accum_steps):
-            (_cross_entropy(model, batch, "sum") * scale / denominator).backward()
-
-
-def _token_mean_with_count(
-    model: nn.Module,
-    microbatches: Sequence[TokenBatch],
-    window: Window,
-    count: Callable[[TokenBatch], torch.Tensor],
-) -> float:
-    r"""A token-mean loop whose global denominator C sums `count` over every microbatch.
-
-    Backpropagates :math:`R \sum_t v_t l_t / C`: the loss sums are right, so the gradient is
-    :math:`\frac{D}{C}\, g`. Returns C.
-    """
-    local = sum((count(b) for b in microbatches), torch.zeros((), dtype=torch.int64))
-    denominator = _global_sum(local)
-    _scaled_sum_window(model, microbatches, window, denominator, window.world_size)
-    return float(denominator)
-
-
-# --- the patterns ----------------------------------------------------------------------------
 
 
 def rank_mean(model: nn.Module, microbatches: Sequence[TokenBatch], window: Window) -> float:
@@ -133,8 +51,8 @@ def rank_mean(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wind
     example's 9x between a 100-token and a 900-token rank. Upstream: seed example;
     torchtune#2980; prime-rl#2358. Logs :math:`n_r`.
     """
-    n_rank = _local_valid(microbatches)  # BUG: never all-reduced
-    _scaled_sum_window(model, microbatches, window, n_rank, 1.0)
+    n_rank = local_valid(microbatches)  # BUG: never all-reduced
+    scaled_sum_window(model, microbatches, window, n_rank, 1.0)
     return float(n_rank)
 
 
@@ -146,8 +64,8 @@ def microbatch_mean(model: nn.Module, microbatches: Sequence[TokenBatch], window
     with a mean loss. Logs :math:`n_{rm}` of this rank's last microbatch.
     """
     for step, batch in enumerate(microbatches):
-        with _accumulating(model, step, window.accum_steps):
-            loss = _cross_entropy(model, batch, "mean")  # BUG: a mean per microbatch
+        with accumulating(model, step, window.accum_steps):
+            loss = cross_entropy_of(model, batch, "mean")  # BUG: a mean per microbatch
             (loss / window.accum_steps).backward()
     return float(microbatches[-1].valid.sum())
 
@@ -160,8 +78,8 @@ def missing_world_size(
     Backpropagates :math:`\sum_t v_t l_t / D`; the gradient is :math:`g / R`.
     Upstream: transformers#37474. Logs D.
     """
-    denominator = _global_sum(_local_valid(microbatches))
-    _scaled_sum_window(model, microbatches, window, denominator, 1.0)  # BUG: scale 1, not R
+    denominator = global_sum(local_valid(microbatches))
+    scaled_sum_window(model, microbatches, window, denominator, 1.0)  # BUG: scale 1, not R
     return float(denominator)
 
 
@@ -174,10 +92,10 @@ def double_world_size(
     Upstream: liquid-finetune#38; transformers#48690. Logs D.
     """
     R = window.world_size
-    denominator = _global_sum(_local_valid(microbatches))
+    denominator = global_sum(local_valid(microbatches))
     for step, batch in enumerate(microbatches):
-        with _accumulating(model, step, window.accum_steps):
-            loss = _cross_entropy(model, batch, "sum") * R / denominator  # the user's x R
+        with accumulating(model, step, window.accum_steps):
+            loss = cross_entropy_of(model, batch, "sum") * R / denominator  # the user's x R
             (loss * R).backward()  # BUG: the wrapper's x R on top
     return float(denominator)
 
@@ -191,10 +109,10 @@ def double_accum_scale(
     :math:`R \sum_t v_t l_t / D` is multiplied by M; the gradient is :math:`M\, g`.
     Upstream: transformers#35438. Logs D.
     """
-    denominator = _global_sum(_local_valid(microbatches))
+    denominator = global_sum(local_valid(microbatches))
     for step, batch in enumerate(microbatches):
-        with _accumulating(model, step, window.accum_steps):
-            loss = _cross_entropy(model, batch, "sum") * window.world_size / denominator
+        with accumulating(model, step, window.accum_steps):
+            loss = cross_entropy_of(model, batch, "sum") * window.world_size / denominator
             (loss * window.accum_steps).backward()  # BUG: x M on a globally normalized loss
     return float(denominator)
 
@@ -211,11 +129,11 @@ def double_accum_divide(
     would a per-microbatch mean: the gradient is :math:`g / M`.
     Upstream: ms-swift#10117. Logs D.
     """
-    num_items_in_batch = _global_sum(_local_valid(microbatches))
+    num_items_in_batch = global_sum(local_valid(microbatches))
     for step, batch in enumerate(microbatches):
-        with _accumulating(model, step, window.accum_steps):
+        with accumulating(model, step, window.accum_steps):
             # The user's compute_loss: right on its own.
-            loss = _cross_entropy(model, batch, "sum") * window.world_size / num_items_in_batch
+            loss = cross_entropy_of(model, batch, "sum") * window.world_size / num_items_in_batch
             (loss / window.accum_steps).backward()  # BUG: the trainer's / M on top
     return float(num_items_in_batch)
 
@@ -229,7 +147,7 @@ def unshifted_count(model: nn.Module, microbatches: Sequence[TokenBatch], window
     """
     # BUG: the labels counted before the shift. The fixture's targets are already shifted;
     # counting unshifted labels adds the label the shift drops, once per row with a target.
-    return _token_mean_with_count(
+    return token_mean_with_count(
         model, microbatches, window, lambda b: b.valid.sum() + b.valid.any(dim=1).sum()
     )
 
@@ -244,7 +162,7 @@ def attention_mask_count(
     Upstream: unsloth-zoo#1217; multimodal trainers. Logs C.
     """
     # BUG: attention_mask.sum() where (labels != -100).sum() was meant.
-    return _token_mean_with_count(model, microbatches, window, lambda b: (b.segment_ids > 0).sum())
+    return token_mean_with_count(model, microbatches, window, lambda b: (b.segment_ids > 0).sum())
 
 
 def padding_as_tokens(
@@ -257,7 +175,7 @@ def padding_as_tokens(
     NUM_REAL_TARGET_TOKENS. Logs N T.
     """
     # BUG: targets.numel() (NUM_TOTAL_TARGET_TOKENS) where the valid count was meant.
-    return _token_mean_with_count(
+    return token_mean_with_count(
         model, microbatches, window, lambda b: torch.tensor(b.targets.numel(), dtype=torch.int64)
     )
 
@@ -275,13 +193,13 @@ def clip_per_microbatch(
     Upstream: transformers#986; gpt-jax#2 (optax.apply_every).
     Logs D.
     """
-    denominator = _global_sum(_local_valid(microbatches))
+    denominator = global_sum(local_valid(microbatches))
     params = [p for p in model.parameters() if p.requires_grad]
     accumulator = [torch.zeros_like(p) for p in params]
     for batch in microbatches:
         model.zero_grad(set_to_none=True)
         # BUG: no no_sync() and a clip inside the accumulation loop.
-        (_cross_entropy(model, batch, "sum") * window.world_size / denominator).backward()
+        (cross_entropy_of(model, batch, "sum") * window.world_size / denominator).backward()
         torch.nn.utils.clip_grad_norm_(params, max_norm=window.clip_norm)
         for total, p in zip(accumulator, params, strict=True):
             total.add_(p.grad)
@@ -298,8 +216,8 @@ def stale_count(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wi
     Upstream: torchtune#1917 (review). Logs 2 D.
     """
     counter = window.carry.setdefault("num_tokens", torch.zeros((), dtype=torch.int64))
-    counter += _global_sum(_local_valid(microbatches))  # BUG: no counter.zero_() per window
-    _scaled_sum_window(model, microbatches, window, counter, window.world_size)
+    counter += global_sum(local_valid(microbatches))  # BUG: no counter.zero_() per window
+    scaled_sum_window(model, microbatches, window, counter, window.world_size)
     return float(counter)
 
 
@@ -311,10 +229,10 @@ def double_reduce_count(
     After the first reduce every rank holds D; the second sums R copies: :math:`R D`, and the
     gradient is :math:`g / R`. Upstream: Megatron-LM#7481. Logs R D.
     """
-    num_tokens = _local_valid(microbatches)
+    num_tokens = local_valid(microbatches)
     dist.all_reduce(num_tokens)  # in the loss function
     dist.all_reduce(num_tokens)  # BUG: the step reduces the same (already global) buffer
-    _scaled_sum_window(model, microbatches, window, num_tokens, window.world_size)
+    scaled_sum_window(model, microbatches, window, num_tokens, window.world_size)
     return float(num_tokens)
 
 
@@ -330,10 +248,10 @@ def packed_as_one(model: nn.Module, microbatches: Sequence[TokenBatch], window: 
     local_rows = sum(
         (b.valid.any(dim=1).sum() for b in microbatches), torch.zeros((), dtype=torch.int64)
     )
-    num_sequences = _global_sum(local_rows)  # BUG: rows, not (row, segment) pairs
+    num_sequences = global_sum(local_rows)  # BUG: rows, not (row, segment) pairs
     for step, batch in enumerate(microbatches):
-        with _accumulating(model, step, window.accum_steps):
-            losses = _cross_entropy(model, batch, "none")
+        with accumulating(model, step, window.accum_steps):
+            losses = cross_entropy_of(model, batch, "none")
             # BUG: one mean per row; segment_ids are never looked at. A row without a valid
             # target has a zero sum, and clamp keeps its mean 0 (0/0 is not this bug).
             row_means = losses.sum(dim=1) / batch.valid.sum(dim=1).clamp(min=1)
@@ -352,10 +270,10 @@ def float32_count(model: nn.Module, microbatches: Sequence[TokenBatch], window: 
     weight_total = torch.zeros((), dtype=torch.float32)  # BUG: float32 for a 2^24+ count
     for batch in microbatches:
         weight_total += torch.where(batch.valid, batch.weights, 0.0).to(torch.float32).sum()
-    weight_total = _global_sum(weight_total)
+    weight_total = global_sum(weight_total)
     for step, batch in enumerate(microbatches):
-        with _accumulating(model, step, window.accum_steps):
-            losses = _cross_entropy(model, batch, "none")
+        with accumulating(model, step, window.accum_steps):
+            losses = cross_entropy_of(model, batch, "none")
             weighted = (losses * batch.weights.to(losses.dtype)).sum()
             # Dividing by the 0-dim float32 tensor keeps the loss's dtype (type promotion
             # between 0-dim tensors picks the wider float): only W is rounded.
@@ -370,9 +288,9 @@ def rank_skew(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wind
     g: the smallest distortion verification should flag (not a docs/bugs.md pattern; skew 1 is
     the correct step). Logs D.
     """
-    denominator = _global_sum(_local_valid(microbatches))
+    denominator = global_sum(local_valid(microbatches))
     scale = window.world_size * (window.skew if window.rank == 0 else 1.0)
-    _scaled_sum_window(model, microbatches, window, denominator, scale)
+    scaled_sum_window(model, microbatches, window, denominator, scale)
     return float(denominator)
 
 

@@ -17,7 +17,7 @@ resumed run's params can be compared with an uninterrupted run's (``torch_impl.c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -30,21 +30,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch_impl.batch import TokenBatch, rank_microbatches
 from torch_impl.checkpoint import save_checkpoint
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
+from torch_impl.harness.jobs import BatchJob
 from torch_impl.mean_loss import accumulate_mean_loss
 from torch_impl.model import BilinearLM, load_numpy_params, numpy_grads, numpy_params
+from torch_impl.optimizer_step import UpdateMetrics, clip_and_step, metrics
 from torch_impl.optimizers import OptimizerSpec, make_optimizer
 from torch_impl.partial import PartialAccumulation
 from torch_impl.probe import ReductionPath, probe_ddp, probe_reduction
 from torch_impl.resume import load_checkpoint, restore
 from torch_impl.schemes import WeightingScheme, get_scheme
-from torch_impl.update import (
-    UpdateMetrics,
-    accumulate_partial,
-    accumulate_postnorm,
-    accumulate_precount,
-    clip_and_step,
-    metrics,
-)
+from torch_impl.update import accumulate_partial, accumulate_postnorm, accumulate_precount
 
 CaseStrategy = Literal["precount", "postnorm", "mean_loss"]
 FrontEnd = Literal["ddp", "fsdp2"]
@@ -62,14 +57,9 @@ PROBE_DTYPE = "float32"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class UpdateCase:
+class UpdateCase(BatchJob):
     """One cross-check case: `num_updates` consecutive updates on the same global batch."""
 
-    label: str
-    #: Global [N, T] arrays: inputs, targets, segment_ids, weights.
-    batch: Mapping[str, np.ndarray]
-    #: float64 ``embed`` [V, H] and ``unembed`` [H, V].
-    params: Mapping[str, np.ndarray]
     #: A scheme name; ignored by ``mean_loss``, which is its own (accidental) weighting.
     scheme: str
     strategy: CaseStrategy

@@ -10,8 +10,9 @@ R results in rank order. It never hangs, and nothing it starts outlives it:
   it, unless it left the group itself (``setsid``, ``start_new_session=True``). Ranks are not
   daemonic, so they may start children;
 * the job, the results and each rank's report travel through files in a fresh temporary
-  directory: starting a process never blocks on a pipe its child may not live to read, and a
-  rank killed at any moment cannot leave a lock held that its peers need;
+  directory (the rank side: `torch_impl.harness.rank_worker`): starting a process never
+  blocks on a pipe its child may not live to read, and a rank killed at any moment cannot
+  leave a lock held that its peers need;
 * the process group has a timeout, so a collective whose peer is gone fails on its own;
 * the caller polls the reports against one deadline for the whole launch and, between polls,
   checks every process: a rank that raised reports its traceback, a rank that died without
@@ -33,31 +34,25 @@ and 2.7-2.9 s for one that constructs DDP (whose dependencies the fork server pr
 server keeps the environment of the launch that started it; a spawned rank that of its own.
 
 `terminate_all` stops every launch in flight from any thread (the CLI calls it on Ctrl-C or
-SIGTERM), and the fork server and resource tracker the launches started. `finish_rank` ends the
-rank it is called in at once, as if `fn` had returned: for a rank whose main thread is stuck
-in a collective that a failed peer will never join.
+SIGTERM), and the fork server and resource tracker the launches started. `finish_rank`
+(re-exported from the rank side) ends the rank it is called in at once, as if `fn` had
+returned: for a rank whose main thread is stuck in a collective that a failed peer will never
+join.
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import os
 import pickle
 import shutil
-import sys
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from torch_impl.harness import rank_processes
+from torch_impl.harness import rank_processes, rank_worker
 
 # Re-exported: callers and crosscheck.launch.processes find these here.
 from torch_impl.harness.rank_processes import FORK_SERVER_PRELOAD as FORK_SERVER_PRELOAD
@@ -65,6 +60,7 @@ from torch_impl.harness.rank_processes import NO_FORK_SERVERS_ENV as NO_FORK_SER
 from torch_impl.harness.rank_processes import describe_exit as describe_exit
 from torch_impl.harness.rank_processes import start_method as start_method
 from torch_impl.harness.rank_processes import terminate_all as terminate_all
+from torch_impl.harness.rank_worker import finish_rank as finish_rank
 
 #: After a rank reported a peer's failure (a closed connection, a timed-out collective), how
 #: long to wait for the rank that caused it to be seen dead or to report its own error.
@@ -72,7 +68,6 @@ _EXIT_GRACE_S = 2.0
 #: After every rank reported, how long each may take to leave (destroy its process group)
 #: before its group is signalled like any other.
 _EXIT_WAIT_S = 5.0
-_JOB_FILE = "job.pkl"
 _POLL_S = 0.05
 
 
@@ -101,127 +96,6 @@ class LaunchTimeoutError(TimeoutError):
 
 class LaunchStoppedError(RuntimeError):
     """`terminate_all` stopped the launch's ranks (the CLI was interrupted, say)."""
-
-
-# --- Rank side ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Report:
-    """What a rank leaves in ``report-{rank}.pkl`` once `fn` returned, raised or was cut short."""
-
-    ok: bool
-    #: The traceback when not ok.
-    details: str
-    #: ``time.monotonic()`` when written: CLOCK_MONOTONIC is one clock for every process of
-    #: the machine, so reports of different ranks are ordered by it.
-    written_at: float
-
-
-def _result_file(rank: int) -> str:
-    return f"result-{rank}.pkl"
-
-
-def _report_file(rank: int) -> str:
-    return f"report-{rank}.pkl"
-
-
-def _write_atomic(path: str, value: Any) -> None:
-    # A name of this process and thread: two threads of one rank (see finish_rank) never
-    # write the same temporary file.
-    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(temporary, "wb") as f:
-        pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(temporary, path)
-
-
-class _RankSlot:
-    """This rank's report, written once: by `_worker`'s main thread or by `finish_rank`."""
-
-    def __init__(self, rank: int, workdir: str) -> None:
-        self.rank = rank
-        self.workdir = workdir
-        self.lock = threading.Lock()
-        self.reported = False
-
-    def report(self, ok: bool, value: Any = None, details: str = "") -> bool:
-        """Write the result (when ok) and then the report; False when one was written before.
-
-        Held locked by the caller of `finish_rank` until the process ends, so a report cannot
-        be overwritten by the main thread finishing at the same moment.
-        """
-        if self.reported:
-            return False
-        if ok:
-            _write_atomic(os.path.join(self.workdir, _result_file(self.rank)), value)
-        # The report goes last: once it exists, the result it announces is complete.
-        report = _Report(ok, details, time.monotonic())
-        _write_atomic(os.path.join(self.workdir, _report_file(self.rank)), report)
-        self.reported = True
-        return True
-
-
-#: Set in a rank process by `_worker`; None elsewhere.
-_slot: _RankSlot | None = None
-
-
-def finish_rank(value: Any) -> NoReturn:
-    """End this rank now, as if `fn` had returned `value`; callable from any thread of a rank.
-
-    For a rank whose main thread cannot return: blocked in a collective that a failed peer
-    will never join (gloo cannot be woken from it until its timeout). The result and report
-    are written, then the process exits at once (``os._exit``: no clean-up runs, the peers'
-    collectives with it fail). Only in a rank process started by `launch`.
-    """
-    slot = _slot
-    if slot is None:
-        raise RuntimeError("finish_rank() is only for a rank process started by launch()")
-    slot.lock.acquire()  # never released: the process ends holding it
-    try:
-        slot.report(True, value)
-    finally:
-        # Flush what the rank printed: os._exit skips it.
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(0)
-
-
-def _worker(
-    rank: int, world_size: int, init_method: str, collective_timeout_s: float, workdir: str
-) -> None:
-    # First of all, before anything can start a child: lead a process group of its own, so that
-    # the launcher's killpg() also ends whatever this rank's code starts.
-    with contextlib.suppress(OSError):  # EPERM: already a group leader
-        os.setsid()
-    global _slot
-    slot = _slot = _RankSlot(rank, workdir)
-    # Several ranks share few cores: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(1)
-    try:
-        with open(os.path.join(workdir, _JOB_FILE), "rb") as f:
-            fn, args = pickle.load(f)
-        dist.init_process_group(
-            "gloo",
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout_s),
-        )
-        value = fn(rank, world_size, *args)
-        outcome: tuple[bool, Any, str] = (True, value, "")
-    except BaseException:
-        outcome = (False, None, traceback.format_exc())
-    # Report before leaving the process group: once this rank's sockets close its peers fail
-    # too, and their reports must not be older than the root cause's.
-    with slot.lock:
-        ok, value, details = outcome
-        try:
-            slot.report(ok, value, details)
-        except BaseException:  # the value did not pickle, say: a failure still reports
-            slot.report(False, None, traceback.format_exc())
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # --- The launch -----------------------------------------------------------------------------
@@ -259,12 +133,12 @@ def launch(
     # The job goes through a file, not the start pipe: Process.start() writes its arguments
     # into a pipe and blocks until the child reads them, so a child that dies while starting
     # (e.g. a main module without the __main__ guard) would hang the caller on a large job.
-    _write_atomic(os.path.join(workdir, _JOB_FILE), (fn, tuple(args)))
+    rank_worker.write_pickle(os.path.join(workdir, rank_worker.JOB_FILE), (fn, tuple(args)))
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
     processes = [
         rank_processes.new_process(
             method,
-            _worker,
+            rank_worker.worker,
             (rank, world_size, init_method, collective_timeout_s, workdir),
             f"gradweight-rank-{rank}",
         )
@@ -277,7 +151,7 @@ def launch(
         _collect(processes, workdir, deadline, timeout_s, generation)
         values = []
         for rank in range(world_size):
-            with open(os.path.join(workdir, _result_file(rank)), "rb") as f:
+            with open(os.path.join(workdir, rank_worker.result_file(rank)), "rb") as f:
                 values.append(pickle.load(f))
         # Give the ranks a moment to leave their process group cleanly before the signals
         # (within the deadline: the results are in hand, the bound holds).
@@ -290,18 +164,20 @@ def launch(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _read_reports(workdir: str, reports: dict[int, _Report], world_size: int) -> None:
+def _read_reports(workdir: str, reports: dict[int, rank_worker.Report], world_size: int) -> None:
     """Add the reports written since the last call to `reports` (rank -> report)."""
     for rank in range(world_size):
         if rank in reports:
             continue
-        path = os.path.join(workdir, _report_file(rank))
+        path = os.path.join(workdir, rank_worker.report_file(rank))
         if os.path.exists(path):
             with open(path, "rb") as f:
                 reports[rank] = pickle.load(f)
 
 
-def _dead_silent(processes: list, reports: dict[int, _Report], workdir: str) -> int | None:
+def _dead_silent(
+    processes: list, reports: dict[int, rank_worker.Report], workdir: str
+) -> int | None:
     """The first rank that exited without a report (checked after its exit: no race)."""
     for rank, process in enumerate(processes):
         if rank in reports or process.is_alive():
@@ -316,7 +192,7 @@ def _collect(
     processes: list, workdir: str, deadline: float, timeout_s: float, generation: int
 ) -> None:
     """Wait until every rank reported success; raise for the first failure or the deadline."""
-    reports: dict[int, _Report] = {}
+    reports: dict[int, rank_worker.Report] = {}
     while True:
         _read_reports(workdir, reports, len(processes))
         if len(reports) == len(processes) and all(report.ok for report in reports.values()):
@@ -339,7 +215,9 @@ def _collect(
         time.sleep(min(_POLL_S, deadline - now))
 
 
-def _root_cause(processes: list, workdir: str, reports: dict[int, _Report]) -> RankFailedError:
+def _root_cause(
+    processes: list, workdir: str, reports: dict[int, rank_worker.Report]
+) -> RankFailedError:
     """The failure to report once some rank reported one: a rank that died first is the cause.
 
     A rank killed outright (segfault, SIGKILL) reports nothing, and its peers then fail in

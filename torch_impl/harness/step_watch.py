@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from torch_impl.harness.launcher import finish_rank
+from torch_impl.harness.rank_worker import finish_rank, write_atomic, write_pickle
 
 if TYPE_CHECKING:
     from torch_impl.harness.user_step import RankOutcome
@@ -167,13 +167,6 @@ def watchdog(path: str, deadline: float) -> Iterator[None]:
             faulthandler.cancel_dump_traceback_later()
 
 
-def _write_atomic(path: str, value: object) -> None:
-    temporary = f"{path}.{threading.get_ident()}.tmp"
-    with open(temporary, "wb") as f:
-        pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(temporary, path)
-
-
 def main_thread_frames() -> str:
     """Where the main thread is, as the user's frames (innermost last), or a line saying so."""
     frame = sys._current_frames().get(threading.main_thread().ident or -1)
@@ -224,7 +217,7 @@ class PeerWatcher:
             self.index = None
 
     def _write(self, index: int, outcome: RankOutcome) -> None:
-        _write_atomic(outcome_path(self.status_dir, index, self.rank), outcome)
+        write_pickle(outcome_path(self.status_dir, index, self.rank), outcome)
         if outcome.error:  # after the outcome: a peer that sees the marker can read it
             with open(failed_path(self.status_dir, index, self.rank), "w") as f:
                 f.write(outcome.kind)
@@ -289,7 +282,5 @@ def agree_deadline(status_dir: str, rank: int, hard_deadline: float, budget_s: f
     dist.all_reduce(ready, op=dist.ReduceOp.MAX)
     start = float(ready.item())
     if rank == 0:
-        with open(ready_path(status_dir) + ".tmp", "w") as f:
-            f.write(repr(start))
-        os.replace(ready_path(status_dir) + ".tmp", ready_path(status_dir))
+        write_atomic(ready_path(status_dir), repr(start).encode())
     return min(hard_deadline, start + budget_s)

@@ -11,7 +11,8 @@ the step takes one. The gradient read back is ``.grad``, or with an optimizer
 
 .. math::  g = \theta_{\text{before}} - \theta_{\text{after}},
 
-which for SGD with learning rate 1 is exactly the gradient it applied (up to one rounding).
+which for SGD with learning rate 1 is exactly the gradient it applied (up to one rounding;
+``torch_impl.harness.step_gradient``).
 
 Ranks report through files in ``status_dir``, not the launcher's return value, so a finished
 job keeps its result when a later one brings the launch down: ``job{i}-rank{r}.pkl`` (a
@@ -37,7 +38,7 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torch_impl.batch import BATCH_KEYS, rank_microbatches
+from torch_impl.harness.jobs import BatchJob
+from torch_impl.harness.step_gradient import StepResultError, read_grads
 
 # Re-exported: the harness (crosscheck.verification.torch_verify) reads the status files by these.
 from torch_impl.harness.step_watch import PEER_GRACE_S as PEER_GRACE_S
@@ -66,7 +69,7 @@ from torch_impl.harness.step_watch import outcome_path as outcome_path
 from torch_impl.harness.step_watch import read_watchdog as read_watchdog
 from torch_impl.harness.step_watch import ready_path as ready_path
 from torch_impl.harness.step_watch import watchdog_path as watchdog_path
-from torch_impl.model import PARAM_NAMES, BilinearLM
+from torch_impl.model import BilinearLM
 
 #: Error kinds of a RankOutcome, most telling first: the harness reports the first it finds.
 #: STOPPED: the watcher ended a rank that was still in the step after a peer failed.
@@ -85,15 +88,9 @@ def _take_logged_denominator() -> float | None:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class UserStepJob:
-    """One call of the user's step on every rank."""
+class UserStepJob(BatchJob):
+    """One call of the user's step on every rank (the harness labels it VerifyJob.describe())."""
 
-    #: Names the job in every message (the harness passes VerifyJob.describe()).
-    label: str
-    #: Global [N, T] arrays: inputs, targets, segment_ids, weights.
-    batch: Mapping[str, np.ndarray]
-    #: float64 ``embed`` [V, H] and ``unembed`` [H, V].
-    params: Mapping[str, np.ndarray]
     accum_steps: int
     #: The dtype of the model handed to the step ("float64", "float32" or "bfloat16").
     dtype: str = "float64"
@@ -137,10 +134,6 @@ class LoadedStep:
     fn: Callable[..., Any]
     factory: bool
     takes_optimizer: bool
-
-
-class StepResultError(ValueError):
-    """The step returned, but what it left behind cannot be read as a gradient."""
 
 
 def import_error_path(status_dir: str, rank: int) -> str:
@@ -202,71 +195,6 @@ def _error_kind(error: BaseException) -> str:
     if any(m in text for m in ("connection reset", "connection closed", "broken pipe")):
         return PEER
     return RAISED
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    # A sharded DTensor (FSDP2) is all-gathered: a collective, which every rank reaches alike.
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def read_grads(
-    model: nn.Module,
-    params: Mapping[str, np.ndarray],
-    optimizer: torch.optim.Optimizer | None,
-) -> dict[str, np.ndarray]:
-    """The gradient the step left in `model`, float64 numpy, or StepResultError saying why not.
-
-    Parameters are matched on their last name component (``module.embed`` under DDP). With
-    an optimizer the gradient is ``params - after`` (SGD, learning rate 1).
-    """
-    named: dict[str, nn.Parameter] = {}
-    for name, param in model.named_parameters():
-        short = name.rsplit(".", 1)[-1]
-        if short in named:
-            raise StepResultError(f"the model holds two parameters named {short!r}")
-        named[short] = param
-    if set(named) != set(PARAM_NAMES):
-        raise StepResultError(
-            f"the model's parameters are {sorted(named)}, expected {list(PARAM_NAMES)}"
-        )
-    if optimizer is not None:
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        if any(id(p) not in held for p in named.values()):
-            raise StepResultError(
-                "the optimizer given to the step does not hold the returned model's parameters: "
-                "the wrapper replaced them (fully_shard does); such a step must build its own "
-                "optimizer after wrapping and take no optimizer argument"
-            )
-    grads = {}
-    for name in PARAM_NAMES:  # a fixed order: gathering a DTensor is a collective
-        param, expected = named[name], np.asarray(params[name]).shape
-        if tuple(param.shape) != expected:
-            raise StepResultError(
-                f"parameter {name!r} has shape {tuple(param.shape)}, expected {expected}"
-            )
-        if optimizer is not None:
-            after = _full(param.detach()).to(torch.float64).numpy()
-            grads[name] = np.asarray(params[name], dtype=np.float64) - after
-        elif param.grad is None:
-            raise StepResultError(
-                f"parameter {name!r} has no gradient (no backward reached it, or the step set "
-                "it to None)"
-            )
-        else:
-            grads[name] = _full(param.grad.detach()).to(torch.float64).numpy().copy()
-    unchanged = optimizer is not None and not any(g.any() for g in grads.values())
-    # Each rank looks at its own shard of a DTensor: no collective on a path one may skip.
-    has_grads = any(p.grad is not None and bool(_local(p.grad).any()) for p in named.values())
-    if unchanged and has_grads:
-        raise StepResultError(
-            "the parameters did not change although they have gradients: the step takes "
-            "an optimizer but did not call optimizer.step()"
-        )
-    return grads
 
 
 def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:

@@ -1,0 +1,177 @@
+"""The command line's grammar: every command of `python -m crosscheck` and its options.
+
+`build_parser` is all of it; `crosscheck.cli.commands` runs what it parses. The options of
+`crosscheck run` that name lists (`RUN_LISTS`) set the `crosscheck.run.plan.Plan` list of
+the same meaning and take no default here: a list the user names is explicit (every value of
+it must run in some case, or the run is refused); a list left out takes the Plan's default,
+whose product with the others may skip combinations (listed, with their reasons).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from crosscheck.contract.cases import STRATEGIES
+from crosscheck.fixtures.builtin import fixture_reference
+from crosscheck.run.implementations import IMPLEMENTATIONS
+from crosscheck.verification.verifier import DEFAULT_LAYOUTS
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _fixture_list(text: str) -> list[str]:
+    """Fixture references: built-in names, or .npz paths made absolute (workers may start in
+    another directory)."""
+    return [fixture_reference(part) for part in _name_list(text)]
+
+
+def _name_list(text: str) -> list[str]:
+    return [part for part in text.split(",") if part]
+
+
+#: `crosscheck run`'s list options, in the order --help shows them: the option -> the Plan
+#: list it sets, how its value is read, and its help.
+RUN_LISTS: dict[str, tuple[str, Callable[[str], list], str | None]] = {
+    "--fixture": (
+        "fixtures",
+        _fixture_list,
+        "built-in fixture names or fixture .npz paths, comma-separated",
+    ),
+    "--schemes": ("schemes", _name_list, "scheme names, comma-separated"),
+    "--impls": ("impls", _name_list, f"oracle, {', '.join(IMPLEMENTATIONS)} (default: all)"),
+    "--world-sizes": ("world_sizes", _int_list, "default: 1,2,4"),
+    "--accum": ("accum_steps", _int_list, "accumulation steps; default: 1,2"),
+    "--strategies": ("strategies", _name_list, f"default: {','.join(STRATEGIES)}"),
+    "--dtypes": ("dtypes", _name_list, "default: float64"),
+}
+
+
+def run_list_values(args: argparse.Namespace) -> dict[str, list]:
+    """The Plan lists `crosscheck run` was given, by the Plan's names (options left out are
+    not there)."""
+    given = {
+        plan: getattr(args, option[2:].replace("-", "_"))
+        for option, (plan, *_) in RUN_LISTS.items()
+    }
+    return {plan: value for plan, value in given.items() if value is not None}
+
+
+def _add_run(commands: argparse._SubParsersAction) -> None:
+    run = commands.add_parser(
+        "run",
+        help="run every implementation on the built-in fixtures and compare with the oracle",
+    )
+    for option, (_, read, text) in RUN_LISTS.items():
+        run.add_argument(option, type=read, help=text)
+    run.add_argument(
+        "--no-world-size-change",
+        action="store_true",
+        help="skip the (1,4), (2,2), (4,1) world-size-change rows",
+    )
+    run.add_argument("--no-resume", action="store_true", help="skip the checkpoint-resume rows")
+    run.add_argument("--rows", choices=("group", "case"), default="group")
+    run.add_argument("--json", type=Path, help="write every row as JSON here")
+    run.add_argument("--log", type=Path, help="write per-rank per-update metrics as JSONL here")
+    run.add_argument("--plot", type=Path, help="write a PNG of effective per-token weights here")
+    run.add_argument(
+        "--timings", action="store_true", help="also print when each job (process group) ran"
+    )
+
+
+def _add_bugs(commands: argparse._SubParsersAction) -> None:
+    bugs = commands.add_parser(
+        "bugs",
+        help="run every known bug pattern in torch and JAX; check each is detected and named",
+    )
+    bugs.add_argument("--frameworks", type=_name_list, default=["torch", "jax"], help="torch, jax")
+    bugs.add_argument("--patterns", type=_name_list, help="pattern ids (default: all)")
+    bugs.add_argument(
+        "--fixture",
+        type=_fixture_list,
+        help="run every pattern on these fixtures instead (built-in names or .npz paths)",
+    )
+    bugs.add_argument("--json", type=Path, help="write the results as JSON here")
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export-vectors",
+        help="write portable .npz test vectors and a manifest for every fixture and scheme",
+    )
+    export.add_argument("directory", type=Path, help="output directory (created if missing)")
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a non-empty directory: replace the export's own files, leave the rest",
+    )
+
+
+def _add_verify(commands: argparse._SubParsersAction) -> None:
+    verify = commands.add_parser(
+        "verify",
+        help="check your own training step (MODULE:FUNCTION) against the oracle and diagnose it",
+    )
+    verify.add_argument("--framework", choices=("torch", "jax"), required=True)
+    verify.add_argument("--step", required=True, help="MODULE:FUNCTION, importable from here")
+    verify.add_argument(
+        "--scheme",
+        required=True,
+        help="the scheme the step is meant to compute (constant:C for a fixed normalizer C)",
+    )
+    verify.add_argument(
+        "--fixtures",
+        type=_fixture_list,
+        help="built-in names or fixture .npz paths, comma-separated (default: packed,ragged)",
+    )
+    layouts = ", ".join(f"{R}x{M}" for R, M in DEFAULT_LAYOUTS)
+    verify.add_argument(
+        "--world-sizes", type=_int_list, help=f"default layouts R x M: {layouts} (docs/verify.md)"
+    )
+    verify.add_argument("--accum", type=_int_list)
+    verify.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds the step gets for the whole run in each framework (all its cases)",
+    )
+    verify.add_argument(
+        "--precision",
+        choices=("auto", "float64", "float32", "bfloat16"),
+        default="auto",
+        help="judge at this precision (default: the finest the step's own noise allows)",
+    )
+    verify.add_argument(
+        "--strict",
+        action="store_true",
+        help="the float64 judgement (relative error 1e-12), same as --precision float64",
+    )
+    verify.add_argument(
+        "--dtype",
+        choices=("float64", "float32", "bfloat16"),
+        default="float64",
+        help="dtype of the model / params handed to the step",
+    )
+    verify.add_argument("--json", type=Path, help="write the report as JSON here")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="crosscheck",
+        description="Check that loss normalization weights tokens the way it should.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_bugs, _add_export, _add_verify):
+        add(commands)
+    return parser

@@ -1,0 +1,282 @@
+"""Starting the harness's worker processes: one module every runner launches through.
+
+JAX (`crosscheck.run.jax_runner`, `crosscheck.run.jax_resume`, `crosscheck.bugs.jax_bugs`,
+`crosscheck.verification.jax_verify`) runs in worker processes with eight fake CPU devices,
+started and waited for by `jax_impl.harness.launch.run_workers`:
+
+- `jax_launch`: that launcher module without importing JAX into the calling process;
+- `jax_worker_env`: a worker's environment (the device count, the compile flags, this
+  repository importable);
+- `worker_zygote`: this process's zygote, which forks the workers instead of starting each
+  afresh (`jax_impl.harness.zygote`);
+- `serve_job`: the worker's side, its ``main``: read the pickled job, turn x64 on for float64,
+  write the pickled result atomically (`write_atomically`) for the launcher to read.
+
+torch (`crosscheck.run.torch_runner`, `crosscheck.bugs.torch_bugs`,
+`crosscheck.verification.torch_verify`) launches one process group per world size through
+`torch_impl.harness.launcher.launch`: `launch_each` runs a list of items (cases, bug steps) in
+one launch and judges each from every rank's output; `launch_arrays` is what a launch sends of
+a built-in fixture, and `layout_problem` says why one cannot be laid out.
+
+`launchable` sets aside what cannot run (it fails at once, by name, without a launch). torch and
+JAX are imported only when something is launched, never at import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import os
+import pickle
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from crosscheck.contract.fixture import BATCH_KEYS
+from crosscheck.fixtures.builtin import builtin_fixture
+
+if TYPE_CHECKING:
+    from jax_impl.harness.zygote import Zygote
+
+Item = TypeVar("Item")
+Judged = TypeVar("Judged")
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+# ---- every framework ---------------------------------------------------------------------------
+
+
+def launchable(
+    items: Iterable[Item],
+    problem: Callable[[Item], str],
+    on_done: Callable[[Item, BaseException], None],
+) -> list[Item]:
+    """The items `problem` finds nothing wrong with, in order. Every other item is reported to
+    `on_done` at once, with ``ValueError(problem(item))``, and never launched."""
+    runnable = []
+    for item in items:
+        why_not = problem(item)
+        if why_not:
+            on_done(item, ValueError(why_not))
+        else:
+            runnable.append(item)
+    return runnable
+
+
+# ---- JAX: the launcher, the environment, the zygote -------------------------------------------
+
+#: The modules of `jax_impl.harness` that need only the standard library, in the order they
+#: import each other: what `jax_launch` loads from their files.
+_STANDALONE = ("process_groups", "launch")
+_load_lock = threading.Lock()
+
+
+def jax_launch() -> ModuleType:
+    """`jax_impl.harness.launch` without importing JAX into this process.
+
+    Importing it as a submodule would run ``jax_impl/__init__`` and import JAX, and launch.py
+    needs only the standard library and `jax_impl.harness.process_groups` (which holds the
+    registry of the process groups this process started): unless the package is already
+    imported, both files are loaded alone, each under its own name. One module of each,
+    whichever way it was loaded, so `jax_impl.harness.launch.terminate_all` (and
+    `crosscheck.launch.processes`, which looks the launcher up by name and file) stops every
+    JAX worker; later ``from jax_impl.harness.launch import ...`` statements get the same module.
+    """
+    name = "jax_impl.harness.launch"
+    with _load_lock:
+        if name in sys.modules:
+            return sys.modules[name]
+        if "jax_impl" in sys.modules:  # the package is there already: import as usual
+            return importlib.import_module(name)
+        for stem in _STANDALONE:
+            _load_alone(f"jax_impl.harness.{stem}", _ROOT / "jax_impl" / "harness" / f"{stem}.py")
+        return sys.modules[name]
+
+
+def _load_alone(name: str, path: Path) -> None:
+    """Execute the module file `path` as `name`, without importing its package."""
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+def jax_worker_env() -> dict[str, str]:
+    """The environment of a JAX worker: eight fake CPU devices, the small-program compile
+    flags (`jax_impl.harness.launch.SMALL_PROGRAM_XLA_FLAGS`), one OpenMP thread unless set,
+    and this repository first on ``PYTHONPATH``. Imports no JAX."""
+    flags = jax_launch().SMALL_PROGRAM_XLA_FLAGS
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {flags}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+#: What the zygote imports once for every worker it forks (see `jax_impl.harness.zygote`): JAX
+#: and the modules the workers of `crosscheck.run` run, named here, not imported.
+ZYGOTE_PRELOAD = (
+    "jax",
+    "jax.numpy",
+    "optax",
+    "jax_impl",
+    "jax_impl.harness.multiprocess_worker",
+    "jax_impl.resume",
+    "orbax.checkpoint",
+    "crosscheck.run.jax_worker",
+    "crosscheck.run.jax_resume",
+)
+#: How many zygotes one process may start: one, and a replacement when it was stopped (by
+#: `jax_impl.harness.launch.terminate_all` after an interrupt, or a crash); not one per job.
+MAX_ZYGOTE_STARTS = 5
+_zygote_lock = threading.Lock()
+
+
+class _ZygoteSlot:
+    """This process's zygote (None before the first start or after a failed one), and how
+    many were started."""
+
+    zygote: Zygote | None = None
+    starts: int = 0
+
+
+_zygote_slot = _ZygoteSlot()
+
+
+def worker_zygote() -> Zygote | None:
+    """This process's JAX zygote, started on first use; None where none may run.
+
+    Every JAX worker of a run is forked from it instead of importing JAX itself (about 1.3 s
+    of CPU each). None, and workers start afresh as plain processes (slower, not different),
+    when `jax_impl.harness.zygote.unavailable` says so (the platform lacks ``os.fork`` or
+    ``os.waitid``, as macOS does, or the environment sets ``GRADWEIGHT_NO_FORK_SERVERS=1``;
+    both are checked on every call), or when a zygote refuses to serve or fails to start. A
+    zygote that has exited since (stopped on an interrupt) is replaced, up to
+    `MAX_ZYGOTE_STARTS` starts per process. Imports JAX (the zygote's client is in jax_impl).
+    """
+    from jax_impl.harness.zygote import Zygote, unavailable
+
+    if unavailable():
+        return None
+    with _zygote_lock:
+        slot = _zygote_slot
+        if slot.zygote is not None and slot.zygote.alive:
+            return slot.zygote
+        if slot.starts >= MAX_ZYGOTE_STARTS:
+            return None
+        slot.starts += 1
+        log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{os.getpid()}.log"
+        try:
+            slot.zygote = Zygote(ZYGOTE_PRELOAD, jax_worker_env(), log)
+        except Exception:  # any failure to start means: no zygote, plain processes
+            slot.zygote = None
+            slot.starts = MAX_ZYGOTE_STARTS  # one that failed to start would fail again
+            return None
+        atexit.register(slot.zygote.close)
+        return slot.zygote
+
+
+# ---- JAX: the worker's side --------------------------------------------------------------------
+
+
+def write_atomically(path: str | Path, data: bytes) -> None:
+    """`jax_impl.harness.launch.write_atomically` (the whole file or none), without JAX."""
+    jax_launch().write_atomically(path, data)
+
+
+def serve_job(argv: Sequence[str], work: Callable[[dict], object]) -> int:
+    """A JAX worker's ``main(JOB OUT)``: `work` the pickled job, pickle its result to OUT.
+
+    x64 is process-global in JAX and must be set before any array exists: it is on exactly
+    when the job's ``"dtype"`` is float64. OUT is written atomically: the launcher reads it
+    only after the worker exited 0, and a worker that dies leaves none.
+    """
+    job_path, out_path = Path(argv[0]), Path(argv[1])
+    job = pickle.loads(job_path.read_bytes())
+    import jax
+
+    jax.config.update("jax_enable_x64", job["dtype"] == "float64")
+    write_atomically(out_path, pickle.dumps(work(job)))
+    return 0
+
+
+# ---- torch: one launch per world size ----------------------------------------------------------
+
+
+def layout_problem(fixture_name: str, world_size: int, accum_steps: int) -> str:
+    """Why a built-in fixture cannot be laid out over `world_size` x `accum_steps`, or ''."""
+    try:
+        num_rows = builtin_fixture(fixture_name).num_rows
+    except ValueError as error:  # an unknown fixture: the message lists the known ones
+        return str(error)
+    if num_rows % (world_size * accum_steps):
+        return (
+            f"the {num_rows} rows of fixture {fixture_name!r} cannot be laid out over "
+            f"world_size={world_size} x accum_steps={accum_steps}"
+        )
+    return ""
+
+
+def launch_arrays(fixture_name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(batch, params) of a built-in fixture as a launch sends them: the fixture's own
+    read-only arrays, not copies, so that pickle sends an array shared by several items of one
+    launch once."""
+    fixture = builtin_fixture(fixture_name)
+    batch = {key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS}
+    params = {"embed": np.asarray(fixture.embed), "unembed": np.asarray(fixture.unembed)}
+    return batch, params
+
+
+def launch_each(
+    target: Callable[..., Any],
+    world_size: int,
+    items: Sequence[Item],
+    payload: Callable[[Item], Any],
+    judge: Callable[[Item, list[Any]], Judged],
+    *,
+    timeout_s: float,
+    collective_timeout_s: float,
+) -> list[Judged | Exception]:
+    """One torch launch of `world_size` ranks for all of `items`; per item, in order, what
+    `judge` makes of its output on every rank, or the exception that stopped it.
+
+    Every rank runs ``target([payload(item) for item in items])`` (a `torch_impl.harness`
+    target returns one output per payload) in a process group of its own, bounded by
+    `timeout_s`. A launch that fails (a rank died, the time ran out, a payload could not be
+    built) fails every item it carried, with its error; ``judge(item, per_rank)`` gets the
+    item's output of each rank, in rank order, and an exception it raises fails that item
+    alone.
+    """
+    from torch_impl.harness.launcher import launch
+
+    try:
+        per_rank = launch(
+            target,
+            world_size,
+            ([payload(item) for item in items],),
+            timeout_s=timeout_s,
+            collective_timeout_s=collective_timeout_s,
+        )
+    except Exception as error:  # a failed launch fails every item it carried
+        return [error] * len(items)
+    judged: list[Judged | Exception] = []
+    for index, item in enumerate(items):
+        try:
+            judged.append(judge(item, [outputs[index] for outputs in per_rank]))
+        except Exception as error:
+            judged.append(error)
+    return judged

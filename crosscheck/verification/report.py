@@ -1,0 +1,238 @@
+"""What `crosscheck.verify` found: one `VerifyCase` per fixture and layout, and the report.
+
+A `VerifyReport` holds the intended scheme (the `Scheme` object, so ``Constant(C)`` keeps its
+C) and every case's diagnosis. Its name for a failing step is the one that explains *every*
+case of the run (``crosscheck.diagnosis.naming.headline``), never one case's best match; its
+`message` says the verdict, what it rests on, the name and the fix, in words, and `to_json`
+the same as a record.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from crosscheck.contract.schemes import Scheme
+from crosscheck.diagnosis.diagnose import Diagnosis
+from crosscheck.diagnosis.explain import FAMILY_FIXES, GUIDE
+from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, headline, name_of
+from crosscheck.diagnosis.patterns import PATTERNS
+from crosscheck.diagnosis.verdict import LEVEL_NAMES, PRECISIONS, tolerance
+from crosscheck.judge.compare import finite_or_none
+from crosscheck.verification.protocol import VerifyJob
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyCase:
+    """The step on one fixture and layout: its error against the oracle and its diagnosis."""
+
+    job: VerifyJob
+    max_rel_err: float
+    ok: bool
+    diagnosis: Diagnosis | None
+    error: str = ""  # the step could not be run or read: why
+    logged_denominator: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **asdict(self.job),  # fixture, world_size, accum_steps, dtype
+            "max_rel_err": finite_or_none(self.max_rel_err),
+            "ok": self.ok,
+            "logged_denominator": self.logged_denominator,
+            "diagnosis": None if self.diagnosis is None else self.diagnosis.to_json(),
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifyReport:
+    framework: str
+    step: str
+    scheme: Scheme
+    #: What was asked: "auto" or a level.
+    precision: str = "auto"
+    cases: list[VerifyCase] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.cases) and all(case.ok for case in self.cases)
+
+    @property
+    def max_rel_err(self) -> float:
+        return max((case.max_rel_err for case in self.cases), default=math.inf)
+
+    @property
+    def diagnosed(self) -> list[Diagnosis]:
+        return [case.diagnosis for case in self.cases if case.diagnosis is not None]
+
+    @property
+    def level(self) -> str | None:
+        """The precision the run was judged at: the one asked for, or, automatically, the
+        coarsest of its cases' (a case whose noise no allowed level admits has none)."""
+        if self.precision != "auto":
+            return self.precision
+        levels = [d.precision for d in self.diagnosed if not d.beyond_precision]
+        return max(levels, key=PRECISIONS.index) if levels else None
+
+    @property
+    def explanations(self) -> list[str]:
+        """The minimal names that explain every diagnosed case (see crosscheck.diagnosis.naming)."""
+        if self.ok:
+            return [self.scheme.name]
+        return headline([d.fits for d in self.diagnosed], self.scheme.name)
+
+    @property
+    def best_match(self) -> str:
+        """The run's name: the intended scheme, a pattern or family explaining every case,
+        "ambiguous", "unknown", or "error" when a case could not be run and every case that
+        could matches (nothing is wrong with the weighting that the run could show)."""
+        if not self.diagnosed or (not self.ok and all(not d.detected for d in self.diagnosed)):
+            return "error"
+        return name_of(self.explanations)
+
+    @property
+    def diagnosis(self) -> Diagnosis | None:
+        """The case that shows the headline best: a failing case named as the headline, on the
+        largest layout with both ranks and microbatches, then the largest error."""
+        diagnosed = [case for case in self.cases if case.diagnosis is not None]
+        failing = [case for case in diagnosed if not case.ok] or diagnosed
+        if not failing:
+            return None
+        best = self.best_match
+        return max(
+            failing,
+            key=lambda c: (
+                c.diagnosis.best_match == best,
+                min(c.job.world_size, c.job.accum_steps) > 1,
+                c.job.world_size * c.job.accum_steps,
+                c.max_rel_err,
+                c.job,
+            ),
+        ).diagnosis
+
+    @property
+    def detectable_skew(self) -> tuple[str, float] | None:
+        """The largest (least sensitive) per-rank skew threshold over the cases."""
+        skews = [d.detectable_skew for d in self.diagnosed if d.detectable_skew is not None]
+        ranks = [s for s in skews if s[0] == "rank"] or skews
+        return max(ranks, key=lambda s: s[1]) if ranks else None
+
+    def fix(self) -> str:
+        """What to change, for the run's name ("" when correct or when only errors failed)."""
+        if self.ok or self.best_match == "error":
+            return ""
+        names = self.explanations
+        if not names:
+            return self.diagnosis.fix if self.diagnosis else ""
+        texts = [
+            PATTERNS[n].fix if n in PATTERNS else FAMILY_FIXES.get(n, f"the step computes {n}")
+            for n in names
+        ]
+        return "; or ".join(texts) + f" ({GUIDE})"
+
+    def shown(self) -> str:
+        """What the run showed, in one sentence."""
+        fixtures = sorted({case.job.fixture for case in self.cases})
+        layouts = sorted({(case.job.world_size, case.job.accum_steps) for case in self.cases})
+        text = ", ".join(f"({R}, {M})" for R, M in layouts)
+        level = LEVEL_NAMES.get(self.level or "", "no precision")
+        return (
+            f"{self.scheme.spec} on fixtures {', '.join(fixtures)} at layouts (R, M) {text}, "
+            f"{level}"
+        )
+
+    def message(self) -> str:
+        """The verdict, what it rests on, the name and the fix, and any step errors."""
+        level = self.level
+        tol = f"tolerance {tolerance(level):.0e}" if level else "no precision"
+        verdict = "matches" if self.ok else "does NOT match"
+        lines = [
+            f"{self.step} ({self.framework}) {verdict} {self.scheme.spec} on "
+            f"{len(self.cases)} fixture/layout cases at {LEVEL_NAMES.get(level or '', '-')} "
+            f"(worst relative error {self.max_rel_err:.2e}, {tol})."
+        ]
+        skew = self.detectable_skew
+        if self.ok:
+            lines.append(f"Shown: {self.shown()}.")
+            if skew is not None:
+                lines.append(
+                    f"The run would have flagged one {skew[0]}'s weights scaled by "
+                    f"1 + {skew[1]:.1e} or more."
+                )
+        best = self.best_match
+        d = self.diagnosis
+        errored = [case for case in self.cases if case.error]
+        if best == "error" and self.diagnosed:
+            lines.append(
+                f"Every case that ran matches; {len(errored)} could not be run or read (below): "
+                "the run shows nothing wrong with the weighting, and nothing for those cases."
+            )
+        if not self.ok and best != "error":
+            names = self.explanations
+            if best == AMBIGUOUS:
+                lines.append(
+                    f"Every case fits {' and '.join(names)} alike: no case run tells them "
+                    f"apart. {_separation_hint(names)}"
+                )
+            elif best == UNKNOWN:
+                per_case = sorted({x.best_match for x in self.diagnosed if x.detected})
+                lines.append(
+                    "No single scheme, pattern or family explains every case (per case: "
+                    f"{', '.join(per_case)})."
+                )
+            else:
+                lines.append(f"Explains every case: {best}.")
+        if d is not None and not self.ok and best != "error":
+            lines.append(
+                f"Diagnosis on {d.fixture} R={d.world_size} M={d.accum_steps}: "
+                f"{d.best_match}. {d.explanation}"
+            )
+            fix = self.fix()
+            if fix:
+                lines.append(f"Fix: {fix}")
+        lines += [f"{case.job.describe()}: {case.error}" for case in self.cases if case.error]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.diagnosis
+        skew = self.detectable_skew
+        summary = {
+            "best_match": self.best_match,
+            "matches": self.explanations,
+            "weight_ratio": None if d is None else finite_or_none(d.weight_ratio),
+            "scale": None if d is None else finite_or_none(d.scale),
+            "residual": None if d is None else finite_or_none(d.residual),
+            "explanation": "" if d is None else d.explanation,
+            "fix": "" if self.ok else self.fix(),
+            "fixture": None if d is None else d.fixture,
+            "world_size": None if d is None else d.world_size,
+            "accum_steps": None if d is None else d.accum_steps,
+        }
+        return {
+            "ok": self.ok,
+            "framework": self.framework,
+            "step": self.step,
+            "scheme": self.scheme.spec,
+            "precision": self.level,
+            "precision_requested": self.precision,
+            "max_rel_err": finite_or_none(self.max_rel_err),
+            "tolerance": None if self.level is None else tolerance(self.level),
+            "detectable_skew": None if skew is None else {"per": skew[0], "minus_one": skew[1]},
+            "shown": self.shown(),
+            "diagnosis": summary,
+            "cases": [case.to_json() for case in self.cases],
+            "errors": [case.error for case in self.cases if case.error],
+        }
+
+
+def _separation_hint(names: Sequence[str]) -> str:
+    if {"missing-world-size", "double-reduce-count"} <= set(names):
+        return (
+            "They differ only in the denominator the step believes in: call "
+            "crosscheck.log_denominator(D) in the step."
+        )
+    if {"double-accum-divide", "missing-world-size"} & set(names):
+        return "A layout with R != M (both above 1) tells them apart."
+    return "A fixture or layout where they predict different weights tells them apart."

@@ -1,0 +1,224 @@
+"""Whether a ``--step`` exists, found before any process of the harness starts.
+
+`check_step` refuses a ``MODULE:FUNCTION`` that names no importable module, or a module without
+that callable, with `StepSetupError` (a ValueError): the user's set-up is wrong, and no case
+is run or reported. The user's module is never imported into this process: a plain source
+file is read, anything else is imported in one short, bounded subprocess.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import difflib
+import importlib.machinery
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from typing import Any
+
+
+def step_name(step: str | Callable) -> str:
+    """'module:function' for a step given by name or as an importable function."""
+    if isinstance(step, str):
+        module, sep, function = step.partition(":")
+        if not sep or not module or not function:
+            raise ValueError(f"a step is named MODULE:FUNCTION, got {step!r}")
+        return step
+    module = getattr(step, "__module__", None)
+    qualname = getattr(step, "__qualname__", "")
+    if not module or module == "__main__" or "<" in qualname:
+        raise ValueError(
+            f"the step {step!r} must be a module-level function of an importable module "
+            "(it runs in fresh processes, which import it by name)"
+        )
+    return f"{module}:{qualname}"
+
+
+class StepSetupError(ValueError):
+    """The step cannot be found: no such module, no such attribute, or not callable.
+
+    Raised by `verify` (through `check_step`) before any runner starts: the user's set-up is
+    wrong, and no case is run or reported.
+    """
+
+
+#: The one subprocess that imports the step's module to look for the function may take this
+#: long (importing torch or JAX is most of it); past it the check gives up and the runners,
+#: which bound their own waits, report whatever the import does.
+STEP_CHECK_TIMEOUT_S = 60.0
+_ROOT = str(Path(__file__).resolve().parents[2])
+
+#: Run as ``python -c`` in the caller's directory: import the module, find the attribute,
+#: write what was found as JSON, and leave at once (os._exit: threads the module started must
+#: not keep the check alive).
+_CHECK_SOURCE = """
+import importlib, json, os, sys
+module_name, attribute, cwd, out, parent_path = sys.argv[1:6]
+sys.path[:0] = [p for p in [cwd, *json.loads(parent_path)] if p not in sys.path]
+def report(kind, detail=None):
+    with open(out, "w") as f:
+        json.dump({"kind": kind, "detail": detail}, f)
+    os._exit(0)
+try:
+    value = importlib.import_module(module_name)
+except ModuleNotFoundError as error:
+    missing = error.name or ""
+    if missing and (module_name == missing or module_name.startswith(missing + ".")):
+        report("no-module", missing)
+    report("import-failed", f"{type(error).__name__}: {error}")
+except BaseException as error:
+    report("import-failed", f"{type(error).__name__}: {error}")
+origin = getattr(value, "__file__", None) or module_name
+for part in attribute.split("."):
+    try:
+        found = hasattr(value, part)
+    except BaseException as error:
+        report("import-failed", f"{type(error).__name__}: {error}")
+    if not found:
+        names = sorted(n for n in dir(value) if not n.startswith("_")
+                       and callable(getattr(value, n, None)))
+        report("no-attribute", [part, origin, names])
+    value = getattr(value, part)
+if not callable(value):
+    report("not-callable", [origin, f"{type(value).__name__} {value!r:.80}"])
+report("ok")
+"""
+
+
+def _spec_without_importing(module: str, cwd: str) -> ModuleSpec | None:
+    """The module's spec, found as the runners' import would (`cwd` first), importing nothing.
+
+    A dotted name's packages are walked by their search locations, not imported (importing a
+    package runs its ``__init__``). None when the top-level name is found nowhere; a spec
+    whose name is a parent's when the walk cannot go further (a module that is not a
+    package, a package that builds its path at import): only importing it can tell.
+    """
+    parts = module.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(parts[0], [cwd])
+    if spec is None:
+        try:  # the interpreter's own path, meta-path finders (editable installs) included
+            spec = importlib.util.find_spec(parts[0])
+        except (ImportError, ValueError):
+            spec = None
+    if spec is None:
+        return None
+    for index in range(1, len(parts)):
+        locations = spec.submodule_search_locations
+        if not locations:
+            return spec
+        child = importlib.machinery.PathFinder.find_spec(".".join(parts[: index + 1]), locations)
+        if child is None:
+            return spec
+        spec = child
+    return spec
+
+
+def _defined_at_top_level(source: str, name: str) -> bool:
+    """Whether the module file at `source` defines function or class `name` at top level."""
+    try:
+        tree = ast.parse(Path(source).read_bytes(), filename=source)
+    except (OSError, SyntaxError, ValueError):
+        return False
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return any(isinstance(node, kinds) and node.name == name for node in tree.body)
+
+
+def _import_check(
+    module: str, function: str, cwd: str, framework: str, timeout_s: float
+) -> dict[str, Any] | None:
+    """What importing `module` and looking up `function` finds, in one short subprocess (the
+    user's module may import torch or JAX, or do anything at import: never in this process).
+    None when the check could not tell (it timed out or died)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, _ROOT, env.get("PYTHONPATH", "")) if p)
+    if framework == "jax":  # as the JAX worker has them, for a module that reads them at import
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env["JAX_ENABLE_X64"] = "1"
+    with tempfile.TemporaryDirectory(prefix="gradweight-step-check-") as tmp:
+        out = Path(tmp) / "found.json"
+        argv = [module, function, cwd, str(out), json.dumps([p for p in sys.path if p])]
+        process = subprocess.Popen(
+            [sys.executable, "-c", _CHECK_SOURCE, *argv],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own group: whatever the import starts goes with it
+        )
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            # Kill the group even when the leader has exited: the import may have started
+            # processes of its own.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        try:
+            return json.loads(out.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def check_step(
+    step: str,
+    framework: str = "torch",
+    *,
+    cwd: str | None = None,
+    timeout_s: float = STEP_CHECK_TIMEOUT_S,
+) -> None:
+    """Raise `StepSetupError` if ``MODULE:FUNCTION`` names no importable module, or a module
+    without that callable, as the runners would import it from `cwd` (default: the current
+    directory, first on the path).
+
+    The module is never imported into this process. A top-level module that exists nowhere
+    is refused at once; a plain source file that defines the function at top level passes
+    without running anything; anything else is imported in one short subprocess (bounded by
+    `timeout_s`). Only a missing module, a missing attribute or a non-callable one is refused:
+    a module that raises at import, or a check that cannot finish, is left to the runners,
+    which report it per case in their own environment.
+    """
+    module, _, function = step_name(step).partition(":")
+    cwd = os.getcwd() if cwd is None else cwd
+    spec = _spec_without_importing(module, cwd)
+    if spec is None:
+        top = module.split(".")[0]
+        raise StepSetupError(
+            f"--step {step}: no module named {top!r} in {cwd} (the current directory) or on "
+            "the Python path"
+        )
+    origin = spec.origin if spec.name == module and spec.has_location else None
+    if origin and origin.endswith(".py") and _defined_at_top_level(origin, function):
+        return
+    found = _import_check(module, function, cwd, framework, timeout_s)
+    kind = None if found is None else found.get("kind")
+    detail = None if found is None else found.get("detail")
+    if kind == "no-module":
+        raise StepSetupError(
+            f"--step {step}: no module named {detail!r} in {cwd} (the current directory) or "
+            "on the Python path"
+        )
+    if kind == "no-attribute":
+        part, where, names = detail
+        close = difflib.get_close_matches(part, names, n=3)
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        if close:
+            hint = f"; did you mean {' or '.join(close)}?"
+        else:
+            hint = f"; its callables: {shown}" if names else "; it defines no public callable"
+        raise StepSetupError(f"--step {step}: {module} ({where}) has no attribute {part!r}{hint}")
+    if kind == "not-callable":
+        where, what = detail
+        raise StepSetupError(
+            f"--step {step}: {module}:{function} ({where}) is not callable: it is {what}"
+        )

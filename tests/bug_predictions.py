@@ -1,0 +1,68 @@
+"""What each bug pattern's text says a buggy step logs and how it scales the gradient.
+
+test_jax_bugs and test_torch_bugs hold their framework's buggy steps to these predictions,
+written once here from the fixture's arrays (numpy), not taken from the package: the text in
+crosscheck.diagnosis.patterns is the specification, the steps are what is tested.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.diagnosis.patterns import RANK_SKEW
+from crosscheck.fixtures.builtin import builtin_fixture
+
+
+@functools.cache
+def counts(fixture_name: str, R: int, M: int) -> dict[str, float]:
+    """The counts the patterns' texts name, for a fixture laid out over (R, M)."""
+    fixture = builtin_fixture(fixture_name)
+    valid = fixture.targets != IGNORE_INDEX
+    N, T = valid.shape
+    per_microbatch = valid.reshape(R, M, N // (R * M), T)
+    return {
+        "D": float(valid.sum()),
+        "rows": float(valid.any(axis=1).sum()),
+        "attended": float((fixture.segment_ids > 0).sum()),
+        "slots": float(N * T),
+        "rank0": float(per_microbatch[0].sum()),
+        "rank0_last_microbatch": float(per_microbatch[0, M - 1].sum()),
+        "weight_total": math.fsum(fixture.weights[valid].tolist()),
+    }
+
+
+#: pattern -> its logged denominator from (counts, R): the `logged_denominator` of its text.
+LOGGED_DENOMINATOR: dict[str, Callable[[dict[str, float], int], float]] = {
+    "rank-mean": lambda c, R: c["rank0"],
+    "microbatch-mean": lambda c, R: c["rank0_last_microbatch"],
+    "missing-world-size": lambda c, R: c["D"],
+    "double-world-size": lambda c, R: c["D"],
+    "double-accum-scale": lambda c, R: c["D"],
+    "double-accum-divide": lambda c, R: c["D"],
+    "unshifted-count": lambda c, R: c["D"] + c["rows"],
+    "attention-mask-count": lambda c, R: c["attended"],
+    "clip-per-microbatch": lambda c, R: c["D"],
+    "stale-count": lambda c, R: 2 * c["D"],
+    "double-reduce-count": lambda c, R: R * c["D"],
+    "packed-as-one": lambda c, R: c["rows"],
+    "padding-as-tokens": lambda c, R: c["slots"],
+    RANK_SKEW: lambda c, R: c["D"],
+    # float32-count: the float32 rounding of the weight total, which each test checks itself.
+}
+
+#: Pure scale errors: pattern -> the factor on the intended token-mean gradient, from
+#: (counts, R, M).
+TOKEN_MEAN_SCALE: dict[str, Callable[[dict[str, float], int, int], float]] = {
+    "missing-world-size": lambda c, R, M: 1 / R,
+    "double-world-size": lambda c, R, M: R,
+    "double-accum-scale": lambda c, R, M: M,
+    "double-accum-divide": lambda c, R, M: 1 / M,
+    "double-reduce-count": lambda c, R, M: 1 / R,
+    "stale-count": lambda c, R, M: 1 / 2,
+    "padding-as-tokens": lambda c, R, M: c["D"] / c["slots"],
+    "unshifted-count": lambda c, R, M: c["D"] / (c["D"] + c["rows"]),
+    "attention-mask-count": lambda c, R, M: c["D"] / c["attended"],
+}

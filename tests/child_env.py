@@ -1,0 +1,50 @@
+"""How the tests start the Python processes they check: the environment, and one command.
+
+A child imports this checkout (the repository root first on PYTHONPATH, whatever the caller's
+PYTHONPATH says after it) and runs JAX on the CPU only. A zygote and the workers it forks get
+exactly the root and tests/ on PYTHONPATH instead (the probe steps live in tests/), and one
+BLAS thread each.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def jax_env(xla_flags: str) -> dict[str, str]:
+    """This process's environment for a JAX child on the CPU with `xla_flags`."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = xla_flags
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def zygote_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a zygote or a worker it forks, with `extra` set."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_script(script: str, *args: str, env: dict[str, str], timeout: float, what: str) -> None:
+    """`python SCRIPT ARGS` from the repository root; the test fails with the end of its
+    stderr, naming it `what`, unless it exits 0."""
+    run = subprocess.run(
+        [sys.executable, script, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, f"{what} failed:\n{run.stderr[-4000:]}"

@@ -1,0 +1,154 @@
+"""What runs inside a rank process of `torch_impl.harness.launcher.launch`, and what it leaves.
+
+`worker` is every rank's entry point: it leads a process group of its own, reads the job from
+``job.pkl`` in the launch's directory, joins the gloo process group, calls ``fn(rank,
+world_size, *args)``, and leaves ``result-{rank}.pkl`` (the value) and then
+``report-{rank}.pkl`` (a `Report`: ok, or the traceback) for the launcher, which polls for
+the reports. Every file is written atomically (`write_atomic`), so a rank killed at any
+moment leaves a whole file or none. `finish_rank` ends a rank at once, as if `fn` had
+returned, from any of its threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+#: The job every rank reads: (fn, args), pickled.
+JOB_FILE = "job.pkl"
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What a rank leaves in ``report-{rank}.pkl`` once `fn` returned, raised or was cut short."""
+
+    ok: bool
+    #: The traceback when not ok.
+    details: str
+    #: ``time.monotonic()`` when written: CLOCK_MONOTONIC is one clock for every process of
+    #: the machine, so reports of different ranks are ordered by it.
+    written_at: float
+
+
+def result_file(rank: int) -> str:
+    return f"result-{rank}.pkl"
+
+
+def report_file(rank: int) -> str:
+    return f"report-{rank}.pkl"
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` under a temporary name, then rename it into place: a reader
+    polling for the file sees it whole or not at all."""
+    # A name of this process and thread: two threads of one rank (see finish_rank) never
+    # write the same temporary file.
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(temporary, "wb") as f:
+        f.write(data)
+    os.replace(temporary, path)
+
+
+def write_pickle(path: str, value: Any) -> None:
+    """`value` pickled to `path`, atomically (`write_atomic`)."""
+    write_atomic(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class _RankSlot:
+    """This rank's report, written once: by `worker`'s main thread or by `finish_rank`."""
+
+    def __init__(self, rank: int, workdir: str) -> None:
+        self.rank = rank
+        self.workdir = workdir
+        self.lock = threading.Lock()
+        self.reported = False
+
+    def report(self, ok: bool, value: Any = None, details: str = "") -> bool:
+        """Write the result (when ok) and then the report; False when one was written before.
+
+        Held locked by the caller of `finish_rank` until the process ends, so a report cannot
+        be overwritten by the main thread finishing at the same moment.
+        """
+        if self.reported:
+            return False
+        if ok:
+            write_pickle(os.path.join(self.workdir, result_file(self.rank)), value)
+        # The report goes last: once it exists, the result it announces is complete.
+        report = Report(ok, details, time.monotonic())
+        write_pickle(os.path.join(self.workdir, report_file(self.rank)), report)
+        self.reported = True
+        return True
+
+
+#: Set in a rank process by `worker`; None elsewhere.
+_slot: _RankSlot | None = None
+
+
+def finish_rank(value: Any) -> NoReturn:
+    """End this rank now, as if `fn` had returned `value`; callable from any thread of a rank.
+
+    For a rank whose main thread cannot return: blocked in a collective that a failed peer
+    will never join (gloo cannot be woken from it until its timeout). The result and report
+    are written, then the process exits at once (``os._exit``: no clean-up runs, the peers'
+    collectives with it fail). Only in a rank process started by `launch`.
+    """
+    slot = _slot
+    if slot is None:
+        raise RuntimeError("finish_rank() is only for a rank process started by launch()")
+    slot.lock.acquire()  # never released: the process ends holding it
+    try:
+        slot.report(True, value)
+    finally:
+        # Flush what the rank printed: os._exit skips it.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(0)
+
+
+def worker(
+    rank: int, world_size: int, init_method: str, collective_timeout_s: float, workdir: str
+) -> None:
+    # First of all, before anything can start a child: lead a process group of its own, so that
+    # the launcher's killpg() also ends whatever this rank's code starts.
+    with contextlib.suppress(OSError):  # EPERM: already a group leader
+        os.setsid()
+    global _slot
+    slot = _slot = _RankSlot(rank, workdir)
+    # Several ranks share few cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        with open(os.path.join(workdir, JOB_FILE), "rb") as f:
+            fn, args = pickle.load(f)
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        outcome: tuple[bool, Any, str] = (True, value, "")
+    except BaseException:
+        outcome = (False, None, traceback.format_exc())
+    # Report before leaving the process group: once this rank's sockets close its peers fail
+    # too, and their reports must not be older than the root cause's.
+    with slot.lock:
+        ok, value, details = outcome
+        try:
+            slot.report(ok, value, details)
+        except BaseException:  # the value did not pickle, say: a failure still reports
+            slot.report(False, None, traceback.format_exc())
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,90 @@
+r"""What a user's step left behind, read as the gradient of one update (float64 numpy).
+
+Without an optimizer the gradient is the parameters' ``.grad``; with one (SGD, learning rate
+1, given to the step) it is what the step applied,
+
+.. math::  g = \theta_{\text{before}} - \theta_{\text{after}},
+
+exact up to one rounding. Parameters are matched on their last name component (``embed``,
+``unembed``), wrapped or not; a sharded (FSDP2) parameter or gradient is gathered in full,
+every rank alike. What cannot be read as a gradient is a `StepResultError` saying why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from torch_impl.model import PARAM_NAMES
+
+
+class StepResultError(ValueError):
+    """The step returned, but what it left behind cannot be read as a gradient."""
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    # A sharded DTensor (FSDP2) is all-gathered: a collective, which every rank reaches alike.
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def read_grads(
+    model: nn.Module,
+    params: Mapping[str, np.ndarray],
+    optimizer: torch.optim.Optimizer | None,
+) -> dict[str, np.ndarray]:
+    """The gradient the step left in `model`, float64 numpy, or StepResultError saying why not.
+
+    Parameters are matched on their last name component (``module.embed`` under DDP). With
+    an optimizer the gradient is ``params - after`` (SGD, learning rate 1).
+    """
+    named: dict[str, nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        short = name.rsplit(".", 1)[-1]
+        if short in named:
+            raise StepResultError(f"the model holds two parameters named {short!r}")
+        named[short] = param
+    if set(named) != set(PARAM_NAMES):
+        raise StepResultError(
+            f"the model's parameters are {sorted(named)}, expected {list(PARAM_NAMES)}"
+        )
+    if optimizer is not None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if any(id(p) not in held for p in named.values()):
+            raise StepResultError(
+                "the optimizer given to the step does not hold the returned model's parameters: "
+                "the wrapper replaced them (fully_shard does); such a step must build its own "
+                "optimizer after wrapping and take no optimizer argument"
+            )
+    grads = {}
+    for name in PARAM_NAMES:  # a fixed order: gathering a DTensor is a collective
+        param, expected = named[name], np.asarray(params[name]).shape
+        if tuple(param.shape) != expected:
+            raise StepResultError(
+                f"parameter {name!r} has shape {tuple(param.shape)}, expected {expected}"
+            )
+        if optimizer is not None:
+            after = _full(param.detach()).to(torch.float64).numpy()
+            grads[name] = np.asarray(params[name], dtype=np.float64) - after
+        elif param.grad is None:
+            raise StepResultError(
+                f"parameter {name!r} has no gradient (no backward reached it, or the step set "
+                "it to None)"
+            )
+        else:
+            grads[name] = _full(param.grad.detach()).to(torch.float64).numpy().copy()
+    unchanged = optimizer is not None and not any(g.any() for g in grads.values())
+    # Each rank looks at its own shard of a DTensor: no collective on a path one may skip.
+    has_grads = any(p.grad is not None and bool(_local(p.grad).any()) for p in named.values())
+    if unchanged and has_grads:
+        raise StepResultError(
+            "the parameters did not change although they have gradients: the step takes "
+            "an optimizer but did not call optimizer.step()"
+        )
+    return grads
