@@ -56,7 +56,7 @@ def group_of(pid: int) -> Group:
     return Group(pid, None if stat is None else stat[3])
 
 
-def _members(groups: Iterable[Group]) -> dict[Group, list[int]]:
+def members(groups: Iterable[Group]) -> dict[Group, list[int]]:
     """The live (not zombie) processes of each group, by one scan of /proc.
 
     A rank that has not yet called setsid() is still in its parent's group: it counts as a
@@ -74,27 +74,27 @@ def _members(groups: Iterable[Group]) -> dict[Group, list[int]]:
                     alive[group] = [group.pid]
         return alive
     stats = all_stats()
-    members: dict[Group, list[int]] = {}
+    found_by_group: dict[Group, list[int]] = {}
     for group in groups:
         leader = stats.get(group.pid)
         if leader is not None and group.started is not None and leader[3] != group.started:
             # The pid was reused: the kernel never reuses a pid that is still some process's
             # group id, so the rank's group is empty, and this group is someone else's.
-            members[group] = []
+            found_by_group[group] = []
             continue
         found = [
             p for p, (state, _, pgid, _) in stats.items() if pgid == group.pid and state != "Z"
         ]
         if leader is not None and leader[0] != "Z" and group.pid not in found:
             found.append(group.pid)
-        members[group] = found
-    return members
+        found_by_group[group] = found
+    return found_by_group
 
 
-def _signal(group: Group, members: list[int], signum: int) -> None:
+def _signal(group: Group, pids: list[int], signum: int) -> None:
     with contextlib.suppress(OSError):
         os.killpg(group.pid, signum)
-    if group.pid in members:  # still in its parent's group (before its setsid)
+    if group.pid in pids:  # still in its parent's group (before its setsid)
         with contextlib.suppress(OSError):
             os.kill(group.pid, signum)
 
@@ -105,22 +105,22 @@ def kill_groups(groups: Iterable[Group], grace_s: float) -> int:
     Returns once every process is gone, or `KILL_WAIT_S` after the SIGKILL. Interrupted
     (KeyboardInterrupt), it still sends the SIGKILL before it re-raises.
     """
-    live = {g: m for g, m in _members(groups).items() if m}
+    live = {g: m for g, m in members(groups).items() if m}
     signalled = sum(len(m) for m in live.values())
-    for group, members in live.items():
-        _signal(group, members, signal.SIGTERM)
+    for group, pids in live.items():
+        _signal(group, pids, signal.SIGTERM)
     try:
         deadline = time.monotonic() + grace_s
         while live and time.monotonic() < deadline:
             time.sleep(POLL_S)
-            live = {g: m for g, m in _members(live).items() if m}
+            live = {g: m for g, m in members(live).items() if m}
     finally:
-        for group, members in live.items():
-            _signal(group, members, signal.SIGKILL)
+        for group, pids in live.items():
+            _signal(group, pids, signal.SIGKILL)
     deadline = time.monotonic() + KILL_WAIT_S
     while live and time.monotonic() < deadline:
         time.sleep(POLL_S)
-        live = {g: m for g, m in _members(live).items() if m}
+        live = {g: m for g, m in members(live).items() if m}
     return signalled
 
 

@@ -42,6 +42,7 @@ from torch_impl.harness.process_groups import (
     all_stats,
     group_of,
     kill_groups,
+    members,
     wait_reaped,
 )
 
@@ -214,24 +215,31 @@ def terminate_all(grace_s: float = 2.0) -> int:
     Each rank's process group (the rank and whatever it started) gets SIGTERM, then SIGKILL
     after `grace_s`, and so does any other child of the fork server (a rank forked while its
     launch was being interrupted); then the fork server, and multiprocessing's resource tracker
-    if a launch started it. Returns how many processes it signalled. A process that honours
-    SIGTERM is gone at once (the test measures well under a second for ranks, their children
-    and both servers); in the worst case, each of the four stages waits `grace_s` and then up
-    to 2 s for its SIGKILL. Idempotent, callable from any thread while launches wait on those
-    processes (they raise LaunchStoppedError), never raises; a later launch starts afresh.
+    if a launch started it. Returns how many processes it found running and stopped (a rank's
+    processes are counted before its launch learns of the stop, since the launch then stops
+    them too, and either may come first). A process that honours SIGTERM is gone at once (the
+    test measures well under a second for ranks, their children and both servers); in the
+    worst case, each of the four stages waits `grace_s` and then up to 2 s for its SIGKILL.
+    Idempotent, callable from any thread while launches wait on those processes (they raise
+    LaunchStoppedError), never raises; a later launch starts afresh.
     """
     global _generation
     signalled = 0
     with contextlib.suppress(Exception):
         if _registry_lock.acquire(timeout=_LOCK_WAIT_S):
             try:
-                _generation += 1
                 groups = list(_registry.values())
+                # Counted before the launches learn of the stop: from then on a launch stops
+                # its own ranks too, and whichever comes first must not change the count.
+                found = sum(len(m) for m in members(groups).values())
+                _generation += 1
             finally:
                 _registry_lock.release()
         else:  # held by the thread this interrupted: read without it
             groups = list(_registry.values())
-        signalled += kill_groups(groups, grace_s)
+            found = sum(len(m) for m in members(groups).values())
+        kill_groups(groups, grace_s)
+        signalled += found
     with contextlib.suppress(Exception):
         # Before the server goes: its orphans could no longer be told from anyone else's.
         signalled += kill_groups(_server_children(), grace_s)
