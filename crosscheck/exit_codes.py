@@ -36,4 +36,13 @@ SETUP_ERROR = 2
 STEP_FAILED = 3
 INTERRUPTED = 130
 
-__all__ = ["INTERRUPTED", "MISMATCH", "OK", "SETUP_ERROR", "STEP_FAILED"]
+__all__ = ["INTERRUPTED", "MISMATCH", "OK", "SETUP_ERROR", "STEP_FAILED", "of_outcome"]
+
+
+def of_outcome(ok: bool, mismatched: bool) -> int:
+    """The status of a command that ran its work: OK when it passed; else MISMATCH when
+    something ran and mismatched (a mismatch wins over a crash), else STEP_FAILED (every
+    failure is something that could not be run or read)."""
+    if ok:
+        return OK
+    return MISMATCH if mismatched else STEP_FAILED

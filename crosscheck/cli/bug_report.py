@@ -147,11 +147,10 @@ def catalogue_exit_code(run: CatalogueRun) -> int:
     """OK; MISMATCH when some buggy step ran and was not detected and named (or a skew run
     was judged wrongly); STEP_FAILED when every failure is a step that could not be run (a
     skew run without a measured minimum counts as such: the correct run it needs did not)."""
-    if run.ok:
-        return exit_codes.OK
-    mismatched = [r for r in run.results if not r.ok and not r.error]
-    mismatched += [s for s in run.skews if not s.ok and not s.error and math.isfinite(s.minimum)]
-    return exit_codes.MISMATCH if mismatched else exit_codes.STEP_FAILED
+    mismatched = any(not r.ok and not r.error for r in run.results) or any(
+        not s.ok and not s.error and math.isfinite(s.minimum) for s in run.skews
+    )
+    return exit_codes.of_outcome(run.ok, mismatched)
 
 
 def write_catalogue_json(path: Path, run: CatalogueRun, wall_s: float) -> None:

@@ -252,11 +252,12 @@ def bugs(args: argparse.Namespace, console: Console) -> int:
         return refuse(
             console, f"crosscheck bugs: unknown framework {unknown[0]!r}; known: torch, jax"
         )
-    missing = [not_installed(fw) for fw in args.frameworks if not_installed(fw)]
-    if missing:
-        others = [fw for fw in args.frameworks if not not_installed(fw)]
+    missing = {fw: not_installed(fw) for fw in args.frameworks}
+    if any(missing.values()):
+        first = next(why for why in missing.values() if why)
+        others = [fw for fw, why in missing.items() if not why]
         instead = f", or pass --frameworks {','.join(others)}" if others else ""
-        return refuse(console, f"crosscheck bugs: {missing[0]}{instead}")
+        return refuse(console, f"crosscheck bugs: {first}{instead}")
     problem = check_outputs("bugs", {"--json": args.json})
     if problem:
         return refuse(console, problem)

@@ -196,12 +196,8 @@ def run_exit_code(rows: Sequence[CaseResult]) -> int:
     failing row is one that could not be run (`CaseResult.not_run`: an implementation raised,
     timed out or came back with nothing comparable); MISMATCH otherwise, a run that checked
     nothing included. A mismatch wins over a crash."""
-    if run_ok(rows):
-        return exit_codes.OK
-    failed = [r for r in rows if not r.ok]
-    if rows and all(r.not_run for r in failed):
-        return exit_codes.STEP_FAILED
-    return exit_codes.MISMATCH
+    mismatched = not rows or any(not r.ok and not r.not_run for r in rows)
+    return exit_codes.of_outcome(run_ok(rows), mismatched)
 
 
 def skip_reasons(skipped: Iterable[SkippedCase]) -> list[tuple[str, int]]:

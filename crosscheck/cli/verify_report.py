@@ -100,11 +100,8 @@ def print_verify_table(console: Console, report: VerifyReport) -> None:
 def verify_exit_code(report: VerifyReport) -> int:
     """OK, MISMATCH (some case diagnosed as not matching) or STEP_FAILED (no case mismatched,
     some could not be run or read); see `crosscheck.exit_codes`."""
-    if report.ok:
-        return exit_codes.OK
-    if any(not case.ok and case.diagnosis is not None for case in report.cases):
-        return exit_codes.MISMATCH
-    return exit_codes.STEP_FAILED
+    mismatched = any(not case.ok and case.diagnosis is not None for case in report.cases)
+    return exit_codes.of_outcome(report.ok, mismatched)
 
 
 def verify_command(args: argparse.Namespace, console: Console) -> int:
