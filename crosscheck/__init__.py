@@ -72,6 +72,11 @@ _EXPORTS: dict[str, str] = {
     "ACCIDENTAL_SCHEMES": "crosscheck.contract.schemes",
     "get_scheme": "crosscheck.contract.schemes",
     "effective_weights": "crosscheck.contract.schemes",
+    # contract v2: schemes as data
+    "SchemeSpec": "crosscheck.contract.spec",
+    "get_spec": "crosscheck.contract.spec",
+    "SpecScheme": "crosscheck.contract.spec_scheme",
+    "resolve_scheme": "crosscheck.contract.spec_scheme",
     # fixtures and layouts
     "Fixture": "crosscheck.contract.fixture",
     "FixtureError": "crosscheck.contract.fixture",
@@ -117,6 +122,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         effective_weights,
         get_scheme,
     )
+    from crosscheck.contract.spec import SchemeSpec, get_spec
+    from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
     from crosscheck.diagnosis.diagnose import diagnose
     from crosscheck.diagnosis.result import Diagnosis
     from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture, random_fixture
@@ -149,7 +156,9 @@ __all__ = [
     "RowMean",
     "SGDConfig",
     "Scheme",
+    "SchemeSpec",
     "SequenceMean",
+    "SpecScheme",
     "StepError",
     "StepSetupError",
     "Sum",
@@ -164,9 +173,11 @@ __all__ = [
     "diagnose",
     "effective_weights",
     "get_scheme",
+    "get_spec",
     "log_denominator",
     "loss_and_grad",
     "random_fixture",
+    "resolve_scheme",
     "train",
     "tree_rel_err",
     "verify",

@@ -138,7 +138,8 @@ def test_missing_and_extra_keys_are_named(tmp_path: Path) -> None:
     with pytest.raises(FixtureError) as failure:
         builtin_fixture(str(missing))
     assert str(failure.value) == (
-        f"fixture file {missing}: a fixture .npz holds exactly {list(NPZ_KEYS)}; "
+        f"fixture file {missing}: a fixture .npz holds exactly {list(NPZ_KEYS)}, and "
+        "optionally ['group_ids', 'document_ids', 'row_weights', 'sample_mask']; "
         "missing ['weights'], extra []"
     )
     extra = _write(tmp_path / "extra.npz", **arrays, labels=np.zeros(3))

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from crosscheck.contract.layout import IGNORE_INDEX, LaidOutBatch, Layout, lay_out
+from crosscheck.contract.row_fields import ROW_FIELD_KEYS, check_row_fields, default_row_fields
 
 #: The exact keys of a fixture .npz: the batch, then the params.
 NPZ_KEYS: tuple[str, ...] = ("inputs", "targets", "segment_ids", "weights", "embed", "unembed")
@@ -41,6 +42,12 @@ class FixtureError(ValueError):
 #: file (EOFError), a few bytes (ValueError: taken for a pickle), a cut zip (BadZipFile), a
 #: damaged member (BadZipFile: bad CRC, ValueError: bad .npy header), an unreadable path.
 _UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile)
+
+
+def _frozen_copy(value: np.ndarray) -> np.ndarray:
+    array = np.array(value, copy=True)
+    array.setflags(write=False)
+    return array
 
 
 def _first_position(mask: np.ndarray) -> tuple[int, int]:
@@ -79,14 +86,29 @@ class Fixture:
     weights: np.ndarray
     embed: np.ndarray
     unembed: np.ndarray
+    #: Contract v2's optional fields (`crosscheck.contract.row_fields`). After construction
+    #: each holds its value, the default when it was not given; `explicit_row_fields` names
+    #: the given ones, the only ones `save` writes.
+    group_ids: np.ndarray | None = None
+    document_ids: np.ndarray | None = None
+    row_weights: np.ndarray | None = None
+    sample_mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         # Own read-only copies: no implementation under test can change the shared batch.
         for key in NPZ_KEYS:
-            array = np.array(getattr(self, key), copy=True)
-            array.setflags(write=False)
-            object.__setattr__(self, key, array)
+            object.__setattr__(self, key, _frozen_copy(getattr(self, key)))
         self._validate()
+        given = {
+            k: np.asarray(getattr(self, k)) for k in ROW_FIELD_KEYS if getattr(self, k) is not None
+        }
+        why = check_row_fields(given, self.segment_ids)
+        if why is not None:
+            self._fail(why)
+        object.__setattr__(self, "explicit_row_fields", tuple(given))
+        values = {**default_row_fields(self.segment_ids), **given}
+        for key in ROW_FIELD_KEYS:
+            object.__setattr__(self, key, _frozen_copy(values[key]))
 
     @property
     def num_rows(self) -> int:
@@ -124,6 +146,7 @@ class Fixture:
             self.segment_ids,
             self.weights,
             Layout(world_size, accum_steps),
+            **{key: getattr(self, key) for key in ROW_FIELD_KEYS},
         )
 
     def valid_layouts(
@@ -137,10 +160,15 @@ class Fixture:
             if self.num_rows % (R * M) == 0
         ]
 
+    def npz_arrays(self) -> dict[str, np.ndarray]:
+        """What `save` writes: the six v1 arrays, then the v2 fields that were given."""
+        keys = (*NPZ_KEYS, *self.explicit_row_fields)
+        return {key: getattr(self, key) for key in keys}
+
     def save(self, path: str | Path) -> Path:
-        """Write the six arrays (and nothing else) to an uncompressed .npz."""
+        """Write `npz_arrays` (and nothing else) to an uncompressed .npz."""
         path = Path(path)
-        np.savez(path, **{key: getattr(self, key) for key in NPZ_KEYS})
+        np.savez(path, **self.npz_arrays())
         return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
 
     @classmethod
@@ -169,14 +197,15 @@ class Fixture:
             )
         with archive:
             keys = set(archive.files)
-            missing, extra = sorted(set(NPZ_KEYS) - keys), sorted(keys - set(NPZ_KEYS))
+            known = set(NPZ_KEYS) | set(ROW_FIELD_KEYS)
+            missing, extra = sorted(set(NPZ_KEYS) - keys), sorted(keys - known)
             if missing or extra:
                 raise FixtureError(
-                    f"{where}: a fixture .npz holds exactly {list(NPZ_KEYS)}; "
-                    f"missing {missing}, extra {extra}"
+                    f"{where}: a fixture .npz holds exactly {list(NPZ_KEYS)}, and optionally "
+                    f"{list(ROW_FIELD_KEYS)}; missing {missing}, extra {extra}"
                 )
             arrays = {}
-            for key in NPZ_KEYS:
+            for key in (*NPZ_KEYS, *(k for k in ROW_FIELD_KEYS if k in keys)):
                 try:
                     arrays[key] = archive[key]
                 except _UNREADABLE as exc:

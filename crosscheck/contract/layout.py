@@ -56,12 +56,20 @@ class Layout:
 
 
 class Microbatch(NamedTuple):
-    """One microbatch of one rank: each array is [B, T]."""
+    """One microbatch of one rank: token arrays are [B, T], row arrays [B].
+
+    The row arrays and `document_ids` are contract v2's (docs/schemes-as-data.md); a
+    microbatch built by hand may leave them None, and only a v2 scheme spec reads them.
+    """
 
     inputs: np.ndarray
     targets: np.ndarray
     segment_ids: np.ndarray
     weights: np.ndarray
+    group_ids: np.ndarray | None = None
+    document_ids: np.ndarray | None = None
+    row_weights: np.ndarray | None = None
+    sample_mask: np.ndarray | None = None
 
     @property
     def valid(self) -> np.ndarray:
@@ -70,21 +78,38 @@ class Microbatch(NamedTuple):
 
 
 class LaidOutBatch(NamedTuple):
-    """A global batch reshaped to [R, M, B, T] per array, with its layout."""
+    """A global batch reshaped to [R, M, B, T] per token array ([R, M, B] per row array).
+
+    The four contract-v2 fields (`group_ids`, `document_ids`, `row_weights`, `sample_mask`)
+    are None only for a batch laid out without them; `Fixture.layout` always fills them.
+    """
 
     layout: Layout
     inputs: np.ndarray
     targets: np.ndarray
     segment_ids: np.ndarray
     weights: np.ndarray
+    group_ids: np.ndarray | None = None
+    document_ids: np.ndarray | None = None
+    row_weights: np.ndarray | None = None
+    sample_mask: np.ndarray | None = None
 
     def microbatch(self, rank: int, step: int) -> Microbatch:
         """The microbatch that rank `rank` processes at accumulation step `step`."""
         return Microbatch(
-            self.inputs[rank, step],
-            self.targets[rank, step],
-            self.segment_ids[rank, step],
-            self.weights[rank, step],
+            *(
+                None if array is None else array[rank, step]
+                for array in (
+                    self.inputs,
+                    self.targets,
+                    self.segment_ids,
+                    self.weights,
+                    self.group_ids,
+                    self.document_ids,
+                    self.row_weights,
+                    self.sample_mask,
+                )
+            )
         )
 
     def microbatches(self) -> list[tuple[int, int, Microbatch]]:
@@ -108,18 +133,35 @@ def lay_out(
     segment_ids: np.ndarray,
     weights: np.ndarray,
     layout: Layout,
+    *,
+    group_ids: np.ndarray | None = None,
+    document_ids: np.ndarray | None = None,
+    row_weights: np.ndarray | None = None,
+    sample_mask: np.ndarray | None = None,
 ) -> LaidOutBatch:
-    """Split [N, T] arrays contiguously into [R, M, B, T] (no copy).
+    """Split [N, T] arrays contiguously into [R, M, B, T] and [N] arrays into [R, M, B].
 
-    The four arrays must share one [N, T] shape (checked here, naming the array: a reshape
-    of a mismatched array would fail with numpy's own message or, worse, succeed with rows
-    from the wrong place); token values are the fixture's to validate (`Fixture`).
+    The token arrays must share one [N, T] shape and the row arrays be [N] (checked here,
+    naming the array: a reshape of a mismatched array would fail with numpy's own message
+    or, worse, succeed with rows from the wrong place); token values are the fixture's to
+    validate (`Fixture`). No copy.
     """
     arrays = {
         "inputs": np.asarray(inputs),
         "targets": np.asarray(targets),
         "segment_ids": np.asarray(segment_ids),
         "weights": np.asarray(weights),
+    }
+    if document_ids is not None:
+        arrays["document_ids"] = np.asarray(document_ids)
+    rows = {
+        key: np.asarray(value)
+        for key, value in (
+            ("group_ids", group_ids),
+            ("row_weights", row_weights),
+            ("sample_mask", sample_mask),
+        )
+        if value is not None
     }
     shape = arrays["targets"].shape
     if len(shape) != 2:
@@ -128,6 +170,11 @@ def lay_out(
         if array.shape != shape:
             raise ValueError(f"lay_out: {key} has shape {array.shape}, targets have {shape}")
     N, T = shape
+    for key, array in rows.items():
+        if array.shape != (N,):
+            raise ValueError(f"lay_out: {key} has shape {array.shape}, a row array is [{N}]")
     B = layout.rows_per_microbatch(N)
     new_shape = (layout.world_size, layout.accum_steps, B, T)
-    return LaidOutBatch(layout, *(arrays[key].reshape(new_shape) for key in arrays))
+    laid = {key: array.reshape(new_shape) for key, array in arrays.items()}
+    laid.update({key: array.reshape(new_shape[:3]) for key, array in rows.items()})
+    return LaidOutBatch(layout, **laid)
