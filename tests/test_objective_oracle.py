@@ -18,6 +18,8 @@ from crosscheck.contract.objective_terms import (
     top_k_picks,
 )
 from crosscheck.contract.oracle import weighted_grad, weighted_loss
+from crosscheck.contract.row_fields import default_row_fields
+from crosscheck.contract.spec import get_spec
 from crosscheck.fixtures.builtin import builtin_fixture
 
 # Central differences with step h have truncation error ~h^2 |f'''| / 6 ~ 1e-11 and rounding
@@ -261,7 +263,9 @@ def test_hand_built_small_vocab_batch(packed):
     targets = np.where(segments > 0, rng.integers(0, 11, size=(4, 9)), IGNORE_INDEX)
     targets[0, :3] = IGNORE_INDEX  # a prompt
     targets[1, 4] = IGNORE_INDEX  # a document boundary
-    batch = lay_out(inputs, targets, segments, np.ones((4, 9)), Layout(2, 2))
+    batch = lay_out(
+        inputs, targets, segments, np.ones((4, 9)), Layout(2, 2), **default_row_fields(segments)
+    )
     params = make_params(11, seed=7)
     router_logits = params["embed"][inputs] @ params["router"]
     assert top_k_margin(router_logits, segments > 0, TOP_K) >= MIN_TOP_K_MARGIN
@@ -279,6 +283,8 @@ def test_hand_built_small_vocab_batch(packed):
         ({"kind": "ce", "top_k": 2}, "moe_lb terms only"),
         ({"kind": "ce", "scheme": "token_mean"}, "scheme-spec dict"),
         ({"kind": "ce", "weight": 1}, "unknown keys"),
+        ({"kind": "ce", "scheme": {"scope": "everywhere"}}, "term 'ce': scheme spec: scope"),
+        ({"kind": "mtp", "scheme": {"denominator": {"kind": "configured"}}}, "needs a value"),
         ({"kind": "moe_lb"}, "needs top_k"),
         ({"kind": "moe_lb", "top_k": 0}, "positive integer"),
         ({"kind": "moe_lb", "top_k": 2, "scope": "rank"}, "update or microbatch"),
@@ -315,3 +321,54 @@ def test_term_round_trips_through_its_data():
     ce = Term.from_data({"kind": "ce", "scheme": spec})
     spec["denominator"]["kind"] = "tokens"  # the term keeps its own copy
     assert ce.scheme == {"denominator": {"kind": "one"}}
+
+
+#: Per-token terms under v2 specs that read every row field of the rollouts fixture.
+SPEC_TERMS = [
+    {"kind": "ce", "scheme": get_spec("sample_rows_mean").to_dict()},
+    {"kind": "entropy", "coefficient": -0.5, "scheme": get_spec("group_token_mean").to_dict()},
+    {"kind": "mtp", "coefficient": 0.4, "scheme": get_spec("sequence_mean").to_dict()},
+    {"kind": "z_loss", "coefficient": 0.05, "scheme": {"scope": "microbatch"}},
+    {"kind": "ref_kl", "scheme": get_spec("signed_row_weight_mean").to_dict()},
+    {"kind": "moe_lb", "coefficient": 0.5, "top_k": TOP_K},
+]
+
+
+@pytest.fixture(scope="module")
+def rollouts():
+    fixture = builtin_fixture("rollouts")  # groups across ranks, a sample mask, signed weights
+    params = make_params(fixture.vocab_size)
+    router_logits = params["embed"][fixture.inputs] @ params["router"]
+    assert top_k_margin(router_logits, fixture.segment_ids > 0, TOP_K) >= MIN_TOP_K_MARGIN
+    return fixture, params
+
+
+def test_spec_weighted_objective_matches_finite_differences(rollouts):
+    fixture, params = rollouts
+    assert fd_error(params, fixture.layout(2, 2), SPEC_TERMS) <= FD_RTOL
+
+
+def test_term_weights_and_denominators_are_the_specs(rollouts):
+    fixture, params = rollouts
+    batch = fixture.layout(4, 2)
+    result = objective_loss_and_grad(params, batch, SPEC_TERMS)
+    shifted = batch._replace(targets=mtp_targets(batch.targets, batch.segment_ids))
+    for term, data in zip(result.terms, SPEC_TERMS[:-1], strict=False):
+        spec = get_spec(data["scheme"])
+        on = shifted if term.kind == "mtp" else batch
+        np.testing.assert_array_equal(term.token_weights, spec.effective_weights(on))
+        assert term.denominators.tolist() == spec.unit_denominators(on)
+    # sample_rows_mean counts only the rows its sample mask keeps.
+    kept = fixture.valid & (fixture.sample_mask[:, None] != 0)
+    assert result.term("ce").count == np.count_nonzero(kept) < fixture.num_valid_tokens
+    assert result.term("z_loss").denominators.shape == (8,)  # one D_u per microbatch
+
+
+def test_a_sibling_term_normalized_more_locally_depends_on_the_layout(rollouts):
+    fixture, params = rollouts
+    main = [{"kind": "ce"}, {"kind": "z_loss", "coefficient": 0.1}]
+    local = [main[0], dict(main[1], scheme={"scope": "rank"})]
+    base = objective_loss(params, fixture.layout(1, 1), main)
+    assert objective_loss(params, fixture.layout(4, 1), main) == pytest.approx(base, rel=1e-13)
+    assert objective_loss(params, fixture.layout(1, 1), local) == pytest.approx(base, rel=1e-13)
+    assert abs(objective_loss(params, fixture.layout(4, 1), local) - base) >= 1e-6 * base

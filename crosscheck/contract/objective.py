@@ -43,6 +43,7 @@ from crosscheck.contract.objective_terms import (
     parse_objective,
     router_term,
 )
+from crosscheck.contract.spec import SchemeSpec
 
 Params = dict[str, np.ndarray]
 
@@ -65,7 +66,8 @@ class TermResult(NamedTuple):
     coefficient: float
     #: L_k, before the coefficient.
     loss: float
-    #: Tokens of the term's mask over the update: v_t (v'_t for mtp), real tokens for moe_lb.
+    #: Tokens of the term's numerator mask over the update: v_t (v'_t for mtp, times the
+    #: row's sample_mask under a `sample` mask), real tokens for moe_lb.
     count: int
     #: D_u of every unit of the term's scope, [K] (K = 1 at update scope).
     denominators: np.ndarray
@@ -96,13 +98,18 @@ class _TermForward(NamedTuple):
     logit_grads: np.ndarray  # [n, out of the term's head]
 
 
-def scheme_weights(scheme: Mapping[str, Any], batch: LaidOutBatch) -> tuple[np.ndarray, np.ndarray]:
-    """(c_t [R, M, B, T], D_u [K]) of a per-token term's scheme spec on `batch`."""
-    if scheme:
-        raise ValueError(f"only token_mean ({{}}) until the spec interpreter lands, got {scheme}")
-    total = np.count_nonzero(batch.valid)
-    weights = batch.valid / total if total else np.zeros(batch.valid.shape)
-    return weights, np.array([float(total)])
+def scheme_weights(spec: SchemeSpec, batch: LaidOutBatch) -> tuple[np.ndarray, np.ndarray]:
+    """(c_t = a_t / D_u / K [R, M, B, T], D_u [K]) of a per-token term's spec on `batch`."""
+    return spec.effective_weights(batch), np.asarray(spec.unit_denominators(batch), np.float64)
+
+
+def mask_count(spec: SchemeSpec, batch: LaidOutBatch) -> int:
+    """Tokens of the spec's numerator mask m_t over the update (v_t, or v_t times the row's
+    sample_mask)."""
+    mask = batch.valid
+    if spec.weight.mask == "sample":
+        mask = mask & (batch.sample_mask[..., None] != 0)
+    return int(np.count_nonzero(mask))
 
 
 def objective_loss_and_grad(
@@ -175,8 +182,9 @@ def _forward(term: Term, params: Params, batch: LaidOutBatch, head_logits) -> _T
         if term.kind == "ref_kl":
             ref_logits = params["ref_embed"][batch.inputs.reshape(-1)] @ params["ref_unembed"]
         losses, logit_grads = logit_term(term.kind, z, batch.targets.reshape(-1), ref_logits)
-        weights, denominators = scheme_weights(term.scheme, batch)
-        count = int(np.count_nonzero(batch.valid))
+        spec = term.spec
+        weights, denominators = scheme_weights(spec, batch)
+        count = mask_count(spec, batch)
     loss = math.fsum((weights.reshape(-1) * losses).tolist())
     result = TermResult(term.name, term.kind, term.coefficient, loss, count, denominators, weights)
     return _TermForward(result, losses, logit_grads)

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.contract.spec import SchemeSpec, get_spec
 
 PER_TOKEN_KINDS: tuple[str, ...] = ("ce", "z_loss", "entropy", "ref_kl", "mtp")
 KINDS: tuple[str, ...] = (*PER_TOKEN_KINDS, "moe_lb")
@@ -56,7 +57,8 @@ class Term:
 
     kind: str
     coefficient: float = 1.0
-    #: The scheme spec of a per-token term (a copy: the caller's dict may change later).
+    #: The scheme spec of a per-token term as its dict (docs/schemes-as-data.md; a
+    #: `SchemeSpec` is stored as its dict, a dict as a copy: the caller's may change later).
     scheme: Mapping[str, Any] = field(default_factory=dict, hash=False)
     scope: str = "update"
     top_k: int | None = None
@@ -77,12 +79,18 @@ class Term:
         if not math.isfinite(value):
             raise ValueError(f"{label}: coefficient must be finite, got {value!r}")
         object.__setattr__(self, "coefficient", float(value))
+        if isinstance(self.scheme, SchemeSpec):
+            object.__setattr__(self, "scheme", self.scheme.to_dict())
         if not isinstance(self.scheme, Mapping):
             raise ValueError(f"{label}: scheme must be a scheme-spec dict, got {self.scheme!r}")
         object.__setattr__(self, "scheme", _copy_spec(self.scheme))
         if self.kind == "moe_lb":
             self._check_router_fields(label)
         else:
+            try:  # a bad spec fails here, naming the term, not at the first evaluation
+                self.spec  # noqa: B018
+            except ValueError as error:
+                raise ValueError(f"{label}: {error}") from None
             # A per-token term's scope is its scheme's own "scope" key: two places to say it
             # would be two places to disagree.
             if self.scope != "update":
@@ -101,6 +109,11 @@ class Term:
         if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
             raise ValueError(f"{label}: top_k must be a positive integer, got {k!r}")
         object.__setattr__(self, "top_k", int(k))
+
+    @property
+    def spec(self) -> SchemeSpec:
+        """The parsed scheme spec of a per-token term."""
+        return get_spec(dict(self.scheme))
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any] | Term) -> Term:
