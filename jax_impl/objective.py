@@ -19,8 +19,9 @@ microbatches and ``psum``'d over ranks. The counts are constants of the backward
 flows through a count (f in Switch's f · P). The frozen reference (``ref_embed``,
 ``ref_unembed``) is read, never differentiated.
 
-Only the token-count schemes are computed here (a spec of ``{}`` or ``{"scope": U}``); other
-scheme specs are refused with a ValueError rather than computed wrongly.
+Only the token-count schemes are computed here (a spec of ``{}`` or ``{"scope": U}``, or its
+full dict form with the defaults written out); other scheme specs are refused with a
+ValueError rather than computed wrongly.
 """
 
 from __future__ import annotations
@@ -58,6 +59,36 @@ class ObjectiveTerm:
     top_k: int = 0
 
 
+#: The keys of a term's dict, and the defaults of the scheme spec this module computes: a
+#: spec may write them out (a spec's full dict form), but any other value is refused.
+_TERM_KEYS = {"kind", "coefficient", "scheme", "scope", "top_k", "name"}
+_TOKEN_COUNT_SPEC = {
+    "weight": {"mask": "valid", "soft": "none", "group": "none", "alpha": 1.0},
+    "denominator": {"kind": "tokens", "group": "none", "mask": "valid", "alpha": 1.0},
+}
+
+
+def _token_count_scope(name: str, scheme: Mapping[str, Any]) -> str:
+    """The scope of a token-count spec ({} or {"scope": U}, defaults written out or not)."""
+    why = None
+    for part, defaults in _TOKEN_COUNT_SPEC.items():
+        given = dict(scheme.get(part) or {})
+        given.pop("count_scope", None)  # no group: no count, whatever its scope
+        if given.get("value") is None:
+            given.pop("value", None)
+        if any(defaults.get(k, object()) != v for k, v in given.items()):
+            why = f"{part} {given}"
+    if set(scheme) - {"weight", "denominator", "scope", "name"}:
+        why = f"keys {sorted(scheme)}"
+    scope = scheme.get("scope", "update")
+    if why or scope not in ("update", "rank", "microbatch"):
+        raise ValueError(
+            f"term {name!r}: jax_impl.objective computes token-count schemes "
+            f"(a_t = v_t over the token count of scope U), got {why or f'scope {scope!r}'}"
+        )
+    return scope
+
+
 def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]:
     """The terms of an objective, each checked; a spec this module does not compute is refused."""
     parsed = []
@@ -66,6 +97,13 @@ def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]
         if kind not in KINDS:
             raise ValueError(f"term kind must be one of {', '.join(KINDS)}, got {kind!r}")
         name = str(data.get("name") or kind)
+        unknown = set(data) - _TERM_KEYS
+        coefficient = data.get("coefficient", 1.0)
+        if unknown or isinstance(coefficient, bool) or not isinstance(coefficient, int | float):
+            raise ValueError(
+                f"term {name!r}: unknown keys {sorted(unknown)} or a coefficient "
+                f"that is not a number ({coefficient!r})"
+            )
         if kind == "moe_lb":
             scope, top_k = data.get("scope", "update"), data.get("top_k")
             if scope not in ("update", "microbatch") or not isinstance(top_k, int) or top_k < 1:
@@ -74,14 +112,8 @@ def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]
                     f"microbatch scope, got top_k={top_k!r}, scope={scope!r}"
                 )
         else:
-            scheme, top_k = dict(data.get("scheme") or {}), 0
-            scope = scheme.pop("scope", "update")
-            if scheme or scope not in ("update", "rank", "microbatch"):
-                raise ValueError(
-                    f"term {name!r}: jax_impl.objective computes token-count schemes "
-                    f"({{}} or {{'scope': U}}), got {data.get('scheme')!r}"
-                )
-        parsed.append(ObjectiveTerm(name, kind, float(data.get("coefficient", 1.0)), scope, top_k))
+            scope, top_k = _token_count_scope(name, data.get("scheme") or {}), 0
+        parsed.append(ObjectiveTerm(name, kind, float(coefficient), scope, top_k))
     if len({t.name for t in parsed}) != len(parsed):
         raise ValueError(f"term names must be unique, got {[t.name for t in parsed]}")
     return tuple(parsed)
@@ -124,8 +156,8 @@ def token_losses(
     segment_ids: jax.Array,
 ) -> jax.Array:
     """l_t of a per-token kind on [..., T] tokens, 0 where its mask is 0."""
-    hidden = jnp.take(params["embed"], inputs, axis=0)
-    log_p = jax.nn.log_softmax(hidden @ params[HEAD.get(term.kind, "unembed")])
+    logits = jnp.take(params["embed"], inputs, axis=0) @ params[HEAD.get(term.kind, "unembed")]
+    log_p = jax.nn.log_softmax(logits)
     p = jnp.exp(log_p)
     if term.kind == "mtp":
         targets = mtp_targets(targets, segment_ids)
@@ -134,7 +166,7 @@ def token_losses(
         safe = jnp.where(valid, targets, 0)
         losses = -jnp.take_along_axis(log_p, safe[..., None], axis=-1)[..., 0]
     elif term.kind == "z_loss":
-        losses = jax.nn.logsumexp(hidden @ params["unembed"], axis=-1) ** 2
+        losses = jax.nn.logsumexp(logits, axis=-1) ** 2
     elif term.kind == "entropy":
         losses = -jnp.sum(p * log_p, axis=-1)
     else:  # ref_kl: q from the frozen reference, which no gradient reaches

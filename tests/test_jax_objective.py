@@ -15,16 +15,19 @@ import sys
 import numpy as np
 import pytest
 from child_env import jax_env, run_script
+from test_objective_oracle import TOP_K, make_params
 
 from crosscheck.contract.objective import objective_loss_and_grad
+from crosscheck.contract.spec import get_spec
 from crosscheck.fixtures.builtin import builtin_fixture
 from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+from jax_impl.objective import parse_terms
 
 # Both sides compute in float64 from the same numbers; they differ only in the order of
 # their sums and where they divide: a few ulps per token, far below 1e-12 over ~500 tokens.
 RTOL = 1e-12
+RANK_MEAN = get_spec("rank_mean").to_dict()
 LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
-E, TOP_K, HIDDEN = 4, 2, 5
 TERMS = [
     {"kind": "ce"},
     {"kind": "z_loss", "coefficient": 1e-2},
@@ -33,24 +36,11 @@ TERMS = [
     {"kind": "mtp", "coefficient": 0.3},
     # Siblings normalized more locally: their own unit denominators, per rank or microbatch.
     {"kind": "ce", "name": "ce_local", "coefficient": 0.2, "scheme": {"scope": "microbatch"}},
-    {"kind": "entropy", "name": "entropy_rank", "coefficient": 0.1, "scheme": {"scope": "rank"}},
+    # The spec's full dict form, every default written out, reads the same.
+    {"kind": "entropy", "name": "entropy_rank", "coefficient": 0.1, "scheme": RANK_MEAN},
     {"kind": "moe_lb", "coefficient": 0.8, "top_k": TOP_K},
     {"kind": "moe_lb", "name": "moe_lb_local", "scope": "microbatch", "top_k": TOP_K},
 ]
-
-
-def make_params(vocab: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The params of tests/test_objective_oracle.py (its top-k margins are checked there)."""
-    rng = np.random.default_rng(seed)
-    scale = 1 / np.sqrt(HIDDEN)
-    return {
-        "embed": rng.standard_normal((vocab, HIDDEN)),
-        "unembed": rng.standard_normal((HIDDEN, vocab)) * scale,
-        "mtp_unembed": rng.standard_normal((HIDDEN, vocab)) * scale,
-        "router": rng.standard_normal((HIDDEN, E)),
-        "ref_embed": rng.standard_normal((vocab, HIDDEN)),
-        "ref_unembed": rng.standard_normal((HIDDEN, vocab)) * scale,
-    }
 
 
 def jax_results() -> dict:
@@ -113,6 +103,24 @@ def test_microbatch_scope_moe_lb_differs_across_layouts_in_jax_too(results):
     assert abs(local[0] - local[1]) >= 1e-4 * local[0]
     update = [term_loss(results, layout, "moe_lb") for layout in LAYOUTS]
     assert max(update) - min(update) <= RTOL * update[0]
+
+
+@pytest.mark.parametrize(
+    ("term", "message"),
+    [
+        ({"kind": "ce", "scheme": get_spec("sequence_mean").to_dict()}, "token-count schemes"),
+        ({"kind": "ce", "scheme": {"denominator": {"kind": "one"}}}, "token-count schemes"),
+        ({"kind": "ce", "scheme": {"scope": "everywhere"}}, "token-count schemes"),
+        ({"kind": "ce", "coefficient": True}, "not a number"),
+        ({"kind": "moe_lb"}, "positive top_k"),
+        ({"kind": "ce", "top_k": 2, "typo": 1}, "unknown keys"),
+    ],
+)
+def test_jax_refuses_terms_it_does_not_compute(term, message):
+    with pytest.raises(ValueError, match=message):
+        parse_terms([term])
+    scopes = [t.scope for t in parse_terms([{"kind": "ce", "scheme": RANK_MEAN}, {"kind": "mtp"}])]
+    assert scopes == ["rank", "update"]
 
 
 if __name__ == "__main__":

@@ -213,8 +213,9 @@ def test_moe_lb_is_switch_load_balancing_from_its_definition(packed):
 def test_mtp_counts_fewer_targets_than_ce_on_packed_segments(packed):
     fixture, params = packed
     result = objective_loss_and_grad(params, fixture.layout(2, 2), full_objective())
-    documents = {(r, s) for r, s in zip(*np.nonzero(fixture.segment_ids), strict=True)}
-    documents = {(r, fixture.segment_ids[r, s]) for r, s in documents}
+    segments = fixture.segment_ids
+    rows = np.nonzero(segments)[0]  # row-major, as segments[segments > 0]
+    documents = set(zip(rows.tolist(), segments[segments > 0].tolist(), strict=True))
     # packed ignores only each document's last target, so y' loses one more per document.
     ce, mtp = result.term("ce").count, result.term("mtp").count
     assert mtp < ce
@@ -270,6 +271,13 @@ def test_hand_built_small_vocab_batch(packed):
     router_logits = params["embed"][inputs] @ params["router"]
     assert top_k_margin(router_logits, segments > 0, TOP_K) >= MIN_TOP_K_MARGIN
     assert fd_error(params, batch, full_objective("microbatch")) <= FD_RTOL
+    # Laid out without contract v2's row fields, the batch means their defaults.
+    bare = lay_out(inputs, targets, segments, np.ones((4, 9)), Layout(2, 2))
+    terms = [*full_objective(), {"kind": "ce", "name": "rows", "scheme": get_spec("row_mean")}]
+    with_fields = objective_loss_and_grad(params, batch, terms)
+    without = objective_loss_and_grad(params, bare, terms)
+    assert without.loss == with_fields.loss
+    assert all(np.array_equal(without.grads[k], g) for k, g in with_fields.grads.items())
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from crosscheck.contract.objective_terms import (
     parse_objective,
     router_term,
 )
+from crosscheck.contract.row_fields import default_row_fields
 from crosscheck.contract.spec import SchemeSpec
 
 Params = dict[str, np.ndarray]
@@ -124,6 +125,7 @@ def objective_loss_and_grad(
     for one that no term reads.
     """
     objective = parse_objective(terms)
+    batch = with_row_fields(batch)
     params = {k: np.asarray(v, dtype=np.float64) for k, v in params.items()}
     for term in objective:
         missing = [p for p in PARAMS_USED[term.kind] if p not in params]
@@ -154,6 +156,19 @@ def objective_loss_and_grad(
         t.coefficient * f.result.loss for t, f in zip(objective, forwards, strict=True)
     )
     return ObjectiveResult(total, grads, tuple(f.result for f in forwards))
+
+
+def with_row_fields(batch: LaidOutBatch) -> LaidOutBatch:
+    """`batch` with contract v2's row fields at their defaults where it has none (a batch
+    laid out by hand with `lay_out`): the specs read them, and a v1 batch means the defaults."""
+    R, M, B = batch.targets.shape[:3]
+    defaults = default_row_fields(batch.to_global(batch.segment_ids))
+    missing = {
+        key: value.reshape((R, M, B, *value.shape[1:]))
+        for key, value in defaults.items()
+        if getattr(batch, key) is None
+    }
+    return batch._replace(**missing) if missing else batch
 
 
 def objective_loss(

@@ -21,7 +21,7 @@ router term ``moe_lb`` is `router_term`. Everything is numpy float64; no autodif
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -144,7 +144,7 @@ def _copy_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _copy_spec(v) if isinstance(v, Mapping) else v for k, v in spec.items()}
 
 
-def parse_objective(terms: Any) -> tuple[Term, ...]:
+def parse_objective(terms: Iterable[Mapping[str, Any] | Term]) -> tuple[Term, ...]:
     """An objective: its terms in order, each parsed by `Term.from_data`, names unique."""
     if isinstance(terms, Mapping | str) or not hasattr(terms, "__iter__"):
         raise ValueError(f"an objective is a list of terms, got {terms!r}")
