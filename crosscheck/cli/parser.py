@@ -128,7 +128,9 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify.add_argument(
         "--scheme",
         required=True,
-        help="the scheme the step is meant to compute (constant:C for a fixed normalizer C)",
+        help="the scheme the step is meant to compute: a name (constant:C for a fixed "
+        "normalizer C; a trainer mode of docs/schemes-as-data.md) or MODULE:OBJECT naming a "
+        "SchemeSpec or its dict",
     )
     verify.add_argument(
         "--fixtures",

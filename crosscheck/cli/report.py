@@ -28,7 +28,7 @@ from rich.table import Table
 
 from crosscheck import exit_codes
 from crosscheck.contract.cases import Case, CaseResult, RankMetrics, SkippedCase
-from crosscheck.contract.schemes import get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.judge.compare import RTOL_BY_DTYPE
 from crosscheck.launch.schedule import JobTiming
 
@@ -50,7 +50,7 @@ def _verdict(rows: list[CaseResult]) -> str:
         return "[red]FAIL[/]"
     if rows[0].check == "clipping" or (
         rows[0].check in ("layout-invariance", "world-size-change")
-        and not get_scheme(rows[0].scheme).intended
+        and not resolve_scheme(rows[0].scheme).intended
     ):
         # An accidental scheme moves with the layout, except where the layouts compared split
         # the batch into the same microbatches (microbatch_mean at fixed R x M). Clipping per
@@ -248,7 +248,7 @@ def summary_line(
     """One line: rows, failures, the verdict, what the plan did not run and why, wall time."""
     failed = sum(not r.ok for r in rows)
     not_run = sum(not r.ok and r.not_run for r in rows)
-    accidental = sum(not get_scheme(r.scheme).intended for r in rows if r.ok)
+    accidental = sum(not resolve_scheme(r.scheme).intended for r in rows if r.ok)
     if not rows:
         verdict = "[red]FAILED: nothing was checked[/]"
     else:

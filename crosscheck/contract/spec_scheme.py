@@ -8,6 +8,10 @@ trainer mode's name (``group_token_mean``, ``length_power:0.5``), a spec dict or
 
 from __future__ import annotations
 
+import importlib
+import os
+import sys
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,6 +19,7 @@ import numpy as np
 from crosscheck.contract.layout import LaidOutBatch
 from crosscheck.contract.schemes import SCHEMES, Scheme, get_scheme
 from crosscheck.contract.spec import SchemeSpec, get_spec
+from crosscheck.contract.spec_catalogue import known_spec_names
 
 
 class SpecScheme(Scheme):
@@ -43,9 +48,44 @@ class SpecScheme(Scheme):
 
 
 def resolve_scheme(scheme: str | dict[str, Any] | Scheme | SchemeSpec) -> Scheme:
-    """v1's `Scheme` for a v1 name or object, else a `SpecScheme` (see the module docstring)."""
+    """v1's `Scheme` for a v1 name or object, else a `SpecScheme` (see the module docstring).
+
+    A string ``module:object`` whose first part is no scheme's name is a user's own scheme:
+    the module is imported (from the current directory first, as ``verify --step`` is) and
+    the object, a `SchemeSpec`, its dict or a `Scheme`, is read; a spec left unnamed takes
+    the reference as its name.
+    """
     if isinstance(scheme, Scheme):
         return scheme
     if isinstance(scheme, str) and (scheme in SCHEMES or scheme.startswith("constant:")):
         return get_scheme(scheme)
+    if isinstance(scheme, str) and _is_reference(scheme):
+        return _load_reference(scheme)
     return SpecScheme(get_spec(scheme))
+
+
+def _is_reference(text: str) -> bool:
+    name, sep, attribute = text.partition(":")
+    return bool(sep) and name not in known_spec_names() and attribute.isidentifier()
+
+
+def _load_reference(reference: str) -> Scheme:
+    module_name, _, attribute = reference.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"scheme {reference!r}: cannot import {module_name!r}: {error}") from None
+    if not hasattr(module, attribute):
+        raise ValueError(f"scheme {reference!r}: module {module_name!r} has no {attribute!r}")
+    value = getattr(module, attribute)
+    if isinstance(value, Scheme):
+        return value
+    if not isinstance(value, SchemeSpec | dict):
+        raise ValueError(
+            f"scheme {reference!r} is a {type(value).__name__}; a scheme is a SchemeSpec, its "
+            "dict, or a crosscheck Scheme"
+        )
+    spec = get_spec(value)
+    return SpecScheme(replace(spec, name=reference) if spec.name == "custom" else spec)

@@ -35,7 +35,8 @@ import numpy as np
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import Params, token_jacobian
-from crosscheck.contract.schemes import Scheme, WeightedMean, get_scheme
+from crosscheck.contract.schemes import Scheme, WeightedMean
+from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.diagnosis.candidates import (
     Candidate,
     clip_candidates,
@@ -49,6 +50,7 @@ from crosscheck.diagnosis.families import family_candidates
 from crosscheck.diagnosis.judgement import judge_levels, noise_level, per_group_weights
 from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, minimal, name_of
 from crosscheck.diagnosis.result import Diagnosis, GroupWeight
+from crosscheck.diagnosis.spec_candidates import spec_pattern_candidates, spec_scheme_candidates
 from crosscheck.diagnosis.verdict import (
     PRECISIONS,
     WeightCheck,
@@ -178,7 +180,7 @@ def diagnose(
     `max_grad_norm` enables clip-per-microbatch. `params` default to the fixture's own: the
     gradient must be taken there.
     """
-    scheme = get_scheme(intended)
+    scheme = resolve_scheme(intended)
     if not scheme.intended:
         raise ValueError(f"intended must be an intended scheme, got accidental {scheme.name!r}")
     if precision == "auto":
@@ -193,9 +195,10 @@ def diagnose(
     batch = fixture.layout(world_size, accum_steps)
     weights = batch.to_global(scheme.effective_weights(batch))
     valid = fixture.valid
+    soft_token = isinstance(scheme, SpecScheme) and scheme.scheme_spec.weight.soft == "token"
     units = (
         np.where(valid, fixture.weights, 0.0)
-        if isinstance(scheme, WeightedMean)
+        if isinstance(scheme, WeightedMean) or soft_token
         else valid.astype(np.float64)
     )
     jacobian = token_jacobian(params, fixture.inputs, fixture.targets)
@@ -238,12 +241,17 @@ def diagnose(
         raise AssertionError(f"{scheme.name}: intended weights vary inside a group")
 
     candidates = [Candidate(scheme.name, "intended", weights, scheme.global_denominator(batch))]
-    candidates += local_mean_candidates(scheme, batch)
+    if isinstance(scheme, SpecScheme):
+        candidates += spec_pattern_candidates(scheme, batch)
+    else:
+        candidates += local_mean_candidates(scheme, batch)
     candidates += scale_candidates(scheme, fixture, batch, weights, tuple(previous_denominators))
     if max_grad_norm is not None:
         candidates += clip_candidates(grad_of, batch, weights, max_grad_norm)
     candidates += float32_count_candidate(scheme, batch, weights, scale)
     candidates += scheme_candidates(scheme, batch)
+    if isinstance(scheme, SpecScheme):
+        candidates += spec_scheme_candidates(scheme, batch)
     candidates += family_candidates(g, weights, batch, flat_grad_of)
 
     per_group = [per_group_weights(c.weights, group_of, units) for c in candidates]

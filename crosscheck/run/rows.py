@@ -19,7 +19,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, CaseResult, TrainSettings
 from crosscheck.contract.optimizers import UpdateRecord, train
-from crosscheck.contract.schemes import get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import RTOL_BY_DTYPE, tree_rel_err
@@ -124,7 +124,7 @@ def compare_with_oracle(case: Case, output: CaseOutput, settings: TrainSettings)
     must also pass the precision-aware weight test (its gradient's recovered weights within
     bf16 rounding of the intended ones at every rank, microbatch and document).
     """
-    scheme = get_scheme(case.scheme)
+    scheme = resolve_scheme(case.scheme)
     expected = oracle_run(case, settings)
     grad_err = tree_rel_err(output.grads, expected[0].result.grads)
     param_err = tree_rel_err(output.params[-1], expected[-1].params)
@@ -229,7 +229,7 @@ def world_size_change(
                 for layout in present[1:]
             }
             worst = max(errs.values())
-            intended = get_scheme(scheme).intended
+            intended = resolve_scheme(scheme).intended
             rtol = 2 * RTOL_BY_DTYPE[dtype]
             ok = worst <= rtol if intended else bool(np.isfinite(worst))
             rows.append(

@@ -32,7 +32,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from crosscheck.contract.schemes import Scheme, get_scheme
+from crosscheck.contract.schemes import Scheme
+from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.diagnosis.verdict import PRECISIONS
 from crosscheck.fixtures.builtin import builtin_fixture
@@ -52,6 +53,9 @@ FRAMEWORKS = {
 #: Two fixtures whose ranks and microbatches hold different token counts (so local means
 #: differ from global ones) and one of them packed (so per-row is not per-sequence).
 DEFAULT_FIXTURES: tuple[str, ...] = ("packed", "ragged")
+#: A scheme spec is checked on v2's fixtures too: prompt groups and documents that span
+#: ranks and microbatches, a fully masked row, signed row weights, a sample mask.
+SPEC_FIXTURES: tuple[str, ...] = (*DEFAULT_FIXTURES, "rollouts", "continued-documents")
 #: Ranks alone, accumulation alone, both with R = M, four ranks, and both with R != M (where
 #: an extra factor R and an extra factor M differ).
 DEFAULT_LAYOUTS: tuple[tuple[int, int], ...] = ((2, 1), (1, 2), (2, 2), (4, 1), (2, 4))
@@ -136,8 +140,10 @@ def verify(
 ) -> VerifyReport:
     """Run `step` (see crosscheck.verification.protocol) on every fixture and layout and judge it.
 
-    `scheme` is a Scheme object (``Constant(4096)`` keeps its C) or a name (``constant:4096``
-    reads as that). Layouts default to DEFAULT_LAYOUTS; given `world_sizes` and/or
+    `scheme` is a Scheme object (``Constant(4096)`` keeps its C), a name (``constant:4096``
+    reads as that; a trainer mode such as ``group_token_mean``), a `SchemeSpec` or its dict,
+    or ``module:object`` naming one (`resolve_scheme`); a spec is checked on SPEC_FIXTURES.
+    Layouts default to DEFAULT_LAYOUTS; given `world_sizes` and/or
     `accum_steps`, their product (the missing one defaults to (1, 2)). `dtype` is the dtype
     of the model / params handed to the step. `precision` is "auto" (the finest level the
     step's noise allows: float64, float32, or bfloat16 when `dtype` is) or a level to judge
@@ -149,7 +155,9 @@ def verify(
     """
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    intended = get_scheme(scheme)
+    intended = resolve_scheme(scheme)
+    if fixtures is None and isinstance(intended, SpecScheme):
+        fixtures = SPEC_FIXTURES
     if not intended.intended:
         raise ValueError(f"verify checks an intended scheme; {intended.name!r} is accidental")
     if precision != "auto" and precision not in PRECISIONS:
