@@ -80,6 +80,8 @@ def _plan(args: argparse.Namespace) -> Plan:
     plan = Plan(
         world_size_change=not args.no_world_size_change,
         resume=not args.no_resume,
+        # A run narrowed to fixtures or schemes is about those: the objectives have their own.
+        objectives=not args.no_objectives and not {"fixtures", "schemes"} & set(given),
         explicit=frozenset(given),
         **given,
     )
@@ -138,7 +140,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             args.json, result.rows, wall, {"plan": _plan_record(plan)}, skipped=result.skipped
         )
     if args.log is not None:
-        count = write_update_log(args.log, result.metrics())
+        count = write_update_log(args.log, result.metrics(), result.term_logs)
         console.print(f"wrote {count} per-update records to {args.log}")
     if args.plot is not None:
         fixture = builtin_fixture(plan.fixtures[0])
@@ -163,6 +165,7 @@ def _plan_record(plan: Plan) -> dict:
         "dtypes": plan.dtypes,
         "world_size_change": plan.world_size_change,
         "resume": plan.resume,
+        "objectives": plan.objectives,
         # The lists named on the command line: their values must each run in some case.
         "explicit": sorted(plan.explicit),
     }

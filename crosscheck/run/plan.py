@@ -23,6 +23,7 @@ from crosscheck.contract.cases import (
     oracle_case,
 )
 from crosscheck.contract.schemes import SCHEMES, get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
 from crosscheck.run.implementations import (
     IMPLEMENTATIONS,
@@ -82,6 +83,10 @@ class Plan:
     dtypes: list[str] = field(default_factory=lambda: ["float64"])
     world_size_change: bool = True
     resume: bool = True
+    #: The multi-term objectives of `crosscheck.run.objectives` (their own fixtures and
+    #: layouts, float64), by every implementation of `impls` that computes them; only when
+    #: `dtypes` holds float64.
+    objectives: bool = True
     #: Schemes of the resume rows (each resume case costs two process starts per framework).
     resume_schemes: list[str] = field(default_factory=lambda: ["token_mean", "sequence_mean"])
     #: Fixtures of the resume rows (those also in `fixtures`): by default the four of shape
@@ -157,7 +162,9 @@ class Plan:
                 for R, M in self.wanted_layouts():
                     for scheme in self.schemes:
                         # An accidental scheme has no strategy: it is the naive loop itself.
-                        strategies = self.strategies if get_scheme(scheme).intended else ["naive"]
+                        strategies = (
+                            self.strategies if resolve_scheme(scheme).intended else ["naive"]
+                        )
                         grid = case_grid(
                             [impl], [fixture], [(R, M)], [scheme], strategies, self.dtypes
                         )
