@@ -103,13 +103,8 @@ def spec_weights(fx: dict[str, np.ndarray], spec: dict, R: int, M: int) -> tuple
             D = float(len({key(n, p, den["group"]) for n, p in chosen}))
         elif kind == "power_sum":
             n_den = counts(den["group"], weight["count_scope"], mask)
-            first = {}
-            for n, p in chosen:
-                first.setdefault(key(n, p, den["group"]), (n, p))
-            D = math.fsum(
-                n_den[unit(n, weight["count_scope"]), g] ** -den["alpha"]
-                for g, (n, p) in first.items()
-            )
+            pieces = {(unit(n, weight["count_scope"]), key(n, p, den["group"])) for n, p in chosen}
+            D = math.fsum(n_den[piece] ** -den["alpha"] for piece in pieces)
         elif kind == "abs_row_weight_sum":
             D = math.fsum(abs(float(extra["row_weights"][n])) for n in rows)
         else:  # all_groups: every group present, empty ones included

@@ -51,25 +51,6 @@ CONFIGURED = 4096.0
 MODES = [*known_spec_names(), "constant:4096", "configured_rows_mean:6", "length_power:0.25"]
 
 
-def _power_edge(spec: dict) -> bool:
-    """power_sum of a grouping that spans microbatches, counted at a scope inside D's unit.
-
-    Here the doc's "groups of u with their counts" is ambiguous: a group split over two count
-    units has two counts. torch sums one term per (count unit, group) cell (a microbatch-local
-    count treats a split group as two, which is what that bug does); the numpy oracle takes the
-    count of the group's first token. The two agree everywhere else; this case is checked
-    against hand-computed weights (test_hand_batch_weights, "power_cells").
-    """
-    d, w = spec.get("denominator", {}), spec.get("weight", {})
-    scopes = ("microbatch", "rank", "update")
-    count_scope = w.get("count_scope", "update")
-    return (
-        d.get("kind") == "power_sum"
-        and d.get("group") in ("document", "group", "microbatch", "rank")
-        and scopes.index(count_scope) < scopes.index(spec.get("scope", "update"))
-    )
-
-
 def _grid() -> list[dict]:
     """Scope variants of the group-counting kinds, and of the others with masks and softs."""
     out = []
@@ -85,8 +66,7 @@ def _grid() -> list[dict]:
             "denominator": {"kind": kind, "group": group, "alpha": alpha, "mask": "sample"},
             "scope": scope,
         }
-        if not _power_edge(spec):
-            out.append(spec)
+        out.append(spec)
     for kind, scope, (mask, soft) in itertools.product(
         ("tokens", "weight_sum", "abs_row_weight_sum", "slots", "configured", "one"),
         ("microbatch", "rank", "update"),
