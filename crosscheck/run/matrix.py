@@ -34,7 +34,7 @@ from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.clipping import clip_placement
 from crosscheck.judge.invariance import layout_invariance
 from crosscheck.launch.schedule import Job, JobTiming, run_jobs
-from crosscheck.run import objective_jax
+from crosscheck.run import objective_jax, objective_torch
 from crosscheck.run.implementations import framework_of, runner_for
 from crosscheck.run.objectives import (
     OBJECTIVE_FIXTURES,
@@ -62,7 +62,7 @@ from crosscheck.run.rows import (
 CLIP_THRESHOLDS: tuple[float, ...] = (0.15, 1.0)
 
 #: The implementations that compute the multi-term objectives (`crosscheck.run.objectives`).
-OBJECTIVE_IMPLS: tuple[str, ...] = (objective_jax.IMPL,)
+OBJECTIVE_IMPLS: tuple[str, ...] = (objective_jax.IMPL, objective_torch.IMPL)
 
 #: The detail of a failing row for work that was planned and never came back.
 NEVER_REPORTED = "planned but never reported: no output and no error came back for it"
@@ -143,15 +143,18 @@ def run_matrix(
     )
 
     def on_objective(case: ObjectiveCase, output: ObjectiveOutput | BaseException) -> None:
-        row = compare_objective(case, output)
+        try:
+            row = compare_objective(case, output)
+        except Exception as error:  # an output that cannot be compared fails its own row
+            row = compare_objective(case, error)
+            output = error
         with lock:
             objective_rows.append(row)
             if not isinstance(output, BaseException):
                 term_logs.extend(term_log_records(case, output))
 
-    jobs += objective_jax.jobs(
-        [c for c in planned_objectives if c.impl == objective_jax.IMPL], on_objective
-    )
+    for runner in (objective_jax, objective_torch):
+        jobs += runner.jobs([c for c in planned_objectives if c.impl == runner.IMPL], on_objective)
     oracle_rows: list[CaseResult] = []
     oracle_errors: list[BaseException] = []
     if build.oracle_layouts or (objectives and "oracle" in plan.impls):
