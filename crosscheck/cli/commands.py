@@ -82,6 +82,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         resume=not args.no_resume,
         # A run narrowed to fixtures or schemes is about those: the objectives have their own.
         objectives=not args.no_objectives and not {"fixtures", "schemes"} & set(given),
+        spec_modes=not args.no_spec_modes and not {"fixtures", "schemes"} & set(given),
         explicit=frozenset(given),
         **given,
     )
@@ -166,6 +167,7 @@ def _plan_record(plan: Plan) -> dict:
         "world_size_change": plan.world_size_change,
         "resume": plan.resume,
         "objectives": plan.objectives,
+        "spec_modes": plan.spec_modes,
         # The lists named on the command line: their values must each run in some case.
         "explicit": sorted(plan.explicit),
     }

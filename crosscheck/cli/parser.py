@@ -82,6 +82,11 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     )
     run.add_argument("--no-resume", action="store_true", help="skip the checkpoint-resume rows")
     run.add_argument(
+        "--no-spec-modes",
+        action="store_true",
+        help="skip the trainer modes on v2's fixtures (off anyway with --fixture or --schemes)",
+    )
+    run.add_argument(
         "--no-objectives",
         action="store_true",
         help="skip the multi-term objective rows (off anyway with --fixture or --schemes)",

@@ -220,8 +220,9 @@ def _judge(case: Case, result: CaseOutput | BaseException, settings: TrainSettin
 def _oracle_rows(plan: Plan, layouts: dict[str, list[tuple[int, int]]]) -> list[CaseResult]:
     """Layout invariance of every scheme and clip placement, from the oracle alone."""
     rows: list[CaseResult] = []
+    schemes = plan.schemes_by_fixture()
     for fixture, fixture_layouts in layouts.items():
-        for scheme in plan.schemes:
+        for scheme in schemes[fixture]:
             rows.extend(layout_invariance(builtin_fixture(fixture), scheme, fixture_layouts))
         for max_norm in CLIP_THRESHOLDS:
             rows.extend(
@@ -247,9 +248,10 @@ def _missing_oracle_rows(
     Counted by (check, fixture, scheme, R, M): a clipping row per threshold at every layout
     of more than one microbatch, a layout-invariance row per scheme at every layout."""
     expected: Counter[tuple] = Counter()
+    schemes = plan.schemes_by_fixture()
     for fixture, fixture_layouts in layouts.items():
         for R, M in fixture_layouts:
-            for scheme in plan.schemes:
+            for scheme in schemes[fixture]:
                 expected[_oracle_key("layout-invariance", fixture, scheme, R, M)] += 1
             if R * M > 1:
                 expected[_oracle_key("clipping", fixture, "token_mean", R, M)] += len(

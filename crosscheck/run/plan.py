@@ -22,9 +22,10 @@ from crosscheck.contract.cases import (
     case_grid,
     oracle_case,
 )
-from crosscheck.contract.schemes import SCHEMES, get_scheme
+from crosscheck.contract.schemes import SCHEMES
+from crosscheck.contract.spec_catalogue import DEFAULT_PARAMETERS, MODE_SPECS
 from crosscheck.contract.spec_scheme import resolve_scheme
-from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
+from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, V2_FIXTURES, builtin_fixture
 from crosscheck.run.implementations import (
     IMPLEMENTATIONS,
     framework_of,
@@ -83,6 +84,16 @@ class Plan:
     dtypes: list[str] = field(default_factory=lambda: ["float64"])
     world_size_change: bool = True
     resume: bool = True
+    #: Contract v2's trainer modes on v2's fixtures: a second product, spec_fixtures x
+    #: spec_schemes, beside fixtures x schemes (off with `spec_modes=False`).
+    spec_schemes: list[str] = field(
+        default_factory=lambda: [
+            *MODE_SPECS,
+            *(f"{name}:{value:g}" for name, value in DEFAULT_PARAMETERS.items()),
+        ]
+    )
+    spec_fixtures: list[str] = field(default_factory=lambda: list(V2_FIXTURES))
+    spec_modes: bool = True
     #: The multi-term objectives of `crosscheck.run.objectives` (their own fixtures and
     #: layouts, float64), by every implementation of `impls` that computes them; only when
     #: `dtypes` holds float64.
@@ -113,16 +124,19 @@ class Plan:
             raise ValueError(f"explicit names unknown lists {unknown}; known: {list(DIMENSIONS)}")
         for name in [*self.fixtures, *self.resume_fixtures]:
             builtin_fixture(name)
-        for name in self.schemes:
-            get_scheme(name)  # an unknown name: the message lists the known ones
-            if name not in SCHEMES:
-                # The matrix runs the schemes by name in every implementation; a parameter
-                # (constant:C) would be dropped on the way, so it is refused, not lost.
+        for name in [*self.schemes, *(self.spec_schemes if self.spec_modes else [])]:
+            resolve_scheme(name)  # an unknown name: the message lists the known ones
+            if name.startswith("constant:"):
+                # v1's constant runs by name in every implementation; its C would be dropped
+                # on the way, so it is refused, not lost (configured_rows_sum:C is the spec
+                # form, with its parameter).
                 raise ValueError(
-                    f"the matrix runs schemes by name ({', '.join(SCHEMES)}); {name!r} carries "
-                    "a parameter the implementations would not receive: check a fixed "
-                    "normalizer with verify or diagnose"
+                    f"the matrix runs constant by name; {name!r} carries a parameter the "
+                    "implementations would not receive: check a fixed normalizer with verify or "
+                    "diagnose, or run the spec configured_rows_sum:C"
                 )
+        for name in self.spec_fixtures if self.spec_modes else []:
+            builtin_fixture(name)
         for impl in self.impls:
             if impl != "oracle":
                 framework_of(impl)
@@ -132,6 +146,20 @@ class Plan:
         for dtype in self.dtypes:
             if dtype not in ("float64", "float32", "bfloat16"):
                 raise ValueError(f"dtype must be float64, float32 or bfloat16, got {dtype!r}")
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every (fixture, scheme) the plan runs: fixtures x schemes, then the spec product."""
+        pairs = [(fixture, scheme) for fixture in self.fixtures for scheme in self.schemes]
+        if self.spec_modes:
+            pairs += [(f, s) for f in self.spec_fixtures for s in self.spec_schemes]
+        return list(dict.fromkeys(pairs))
+
+    def schemes_by_fixture(self) -> dict[str, list[str]]:
+        """`pairs` grouped by fixture, in order."""
+        grouped: dict[str, list[str]] = {}
+        for fixture, scheme in self.pairs():
+            grouped.setdefault(fixture, []).append(scheme)
+        return grouped
 
     def wanted_layouts(self) -> list[tuple[int, int]]:
         """Every (R, M) the plan asks for, whether or not it divides a fixture."""
@@ -157,10 +185,10 @@ class Plan:
         for impl in self.impls:
             if impl == "oracle":
                 continue
-            for fixture in self.fixtures:
+            for fixture, schemes in self.schemes_by_fixture().items():
                 num_rows = builtin_fixture(fixture).num_rows
                 for R, M in self.wanted_layouts():
-                    for scheme in self.schemes:
+                    for scheme in schemes:
                         # An accidental scheme has no strategy: it is the naive loop itself.
                         strategies = (
                             self.strategies if resolve_scheme(scheme).intended else ["naive"]
@@ -192,12 +220,12 @@ class Plan:
         oracle_layouts: dict[str, list[tuple[int, int]]] = {}
         oracle_cases: list[Case] = []  # the oracle's rows as cases: what they exercise
         if "oracle" in self.impls:
-            for fixture in self.fixtures:
+            for fixture, schemes in self.schemes_by_fixture().items():
                 oracle_layouts[fixture] = self.oracle_layouts(fixture)
                 num_rows = builtin_fixture(fixture).num_rows
                 for R in self.world_sizes:
                     for M in self.accum_steps:
-                        for scheme in self.schemes:
+                        for scheme in schemes:
                             case = oracle_case(fixture, scheme, R, M)
                             if num_rows % (R * M):
                                 why = layout_reason(fixture, num_rows)
