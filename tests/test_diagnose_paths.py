@@ -28,7 +28,6 @@ def outputs():
         accum_steps=[2],
         world_size_change=False,
         resume=False,
-        objectives=False,
     )
     run = run_matrix(plan)
     failed = [row for row in run.rows if not row.ok]

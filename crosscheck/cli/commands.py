@@ -80,9 +80,9 @@ def _plan(args: argparse.Namespace) -> Plan:
     plan = Plan(
         world_size_change=not args.no_world_size_change,
         resume=not args.no_resume,
-        # A run narrowed to fixtures or schemes is about those: the objectives have their own.
-        objectives=not args.no_objectives and not {"fixtures", "schemes"} & set(given),
-        spec_modes=not args.no_spec_modes and not {"fixtures", "schemes"} & set(given),
+        # None: on unless the run is narrowed to fixtures or schemes (Plan.__post_init__).
+        objectives=False if args.no_objectives else None,
+        spec_modes=False if args.no_spec_modes else None,
         explicit=frozenset(given),
         **given,
     )

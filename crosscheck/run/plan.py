@@ -93,11 +93,13 @@ class Plan:
         ]
     )
     spec_fixtures: list[str] = field(default_factory=lambda: list(V2_FIXTURES))
-    spec_modes: bool = True
+    #: None: on exactly when `fixtures` and `schemes` are the defaults (a plan narrowed to
+    #: some fixtures or schemes is about those).
+    spec_modes: bool | None = None
     #: The multi-term objectives of `crosscheck.run.objectives` (their own fixtures and
     #: layouts, float64), by every implementation of `impls` that computes them; only when
-    #: `dtypes` holds float64.
-    objectives: bool = True
+    #: `dtypes` holds float64. None: as `spec_modes`.
+    objectives: bool | None = None
     #: Schemes of the resume rows (each resume case costs two process starts per framework).
     resume_schemes: list[str] = field(default_factory=lambda: ["token_mean", "sequence_mean"])
     #: Fixtures of the resume rows (those also in `fixtures`): by default the four of shape
@@ -113,6 +115,13 @@ class Plan:
     #: runs in no case is refused: the user asked for it. What the product of the lists
     #: leaves out (the default matrix's, or between two named lists) is listed, not refused.
     explicit: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        default = self.fixtures == list(BUILTIN_FIXTURES) and self.schemes == list(SCHEMES)
+        if self.spec_modes is None:
+            self.spec_modes = default
+        if self.objectives is None:
+            self.objectives = default
 
     def validate(self) -> None:
         """Raise ValueError naming the first unknown name or empty list."""
