@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from crosscheck.contract.schemes import get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.diagnosis.diagnose import Diagnosis, diagnose
 from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
@@ -119,7 +119,7 @@ def diagnose_run(run: BugRun, output: BugOutput) -> Diagnosis:
     """The diagnosis of a buggy step's second window, with what the harness knows of it."""
     fixture = builtin_fixture(run.fixture)
     R, M = run.world_size, run.accum_steps
-    scheme = get_scheme(intended_of(run))
+    scheme = resolve_scheme(intended_of(run))
     D = scheme.global_denominator(fixture.layout(R, M))
     return diagnose(
         fixture,

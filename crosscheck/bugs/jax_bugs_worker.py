@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from crosscheck.bugs.batch import bug_batch
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
@@ -31,15 +32,17 @@ Results = dict[BugRun, BugOutput | str]
 
 
 def _prepare(run: BugRun, dtype: str):
-    """(params, laid-out batch) of a run, or ValueError naming what is wrong with it."""
+    """(params, laid-out batch, the fixture's group_ids or None) of a run, or ValueError
+    naming what is wrong with it."""
     import jax_impl
     from jax_impl.harness.bugs_sweep import check_patterns, check_world_size
 
     check_patterns([run.pattern])
     check_world_size(run.world_size)
     fixture = builtin_fixture(run.fixture)
+    arrays = bug_batch(run.fixture)  # the token arrays, and the v2 fields the fixture gives
     batch = jax_impl.lay_out_global_batch(
-        {key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS},
+        {key: arrays[key] for key in BATCH_KEYS},
         run.world_size,
         run.accum_steps,
         vocab_size=fixture.vocab_size,
@@ -47,7 +50,8 @@ def _prepare(run: BugRun, dtype: str):
         # the params' dtype: jax_impl refuses weights narrower than float32.
         weights_dtype=None,
     )
-    return jax_impl.params_from_numpy(fixture.params(), dtype), batch
+    params = jax_impl.params_from_numpy(fixture.params(), dtype)
+    return params, batch, arrays.get("group_ids")
 
 
 def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
@@ -66,7 +70,7 @@ def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
     # One sweep per (R, [R, M, B, T]): the union of the patterns any fixture of that shape
     # needs; every fixture (and every rank-skew factor) of the shape reuses its compile.
     groups: dict[tuple, list[BugRun]] = {}
-    for run, (_, batch) in prepared.items():
+    for run, (_, batch, _) in prepared.items():
         groups.setdefault((run.world_size, np.shape(batch.targets)), []).append(run)
     for (world_size, _), group in sorted(groups.items()):
         patterns = sorted({run.pattern for run in group})
@@ -88,8 +92,8 @@ def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
                         clip_norm=CLIP_PER_MICROBATCH_NORM,
                         num_windows=NUM_WINDOWS,
                     )
-                    params, batch = prepared[todo[0]]
-                    outs = sweep(params, batch, skew)
+                    params, batch, group_ids = prepared[todo[0]]
+                    outs = sweep(params, batch, skew, group_ids)
                 except Exception:  # a failed sweep fails its own runs, by name
                     message = traceback.format_exc(limit=8)
                     results.update({run: message for run in todo})

@@ -59,6 +59,7 @@ from crosscheck.diagnosis.verdict import (
     detectable_skew,
     fit_groups,
 )
+from crosscheck.diagnosis.zero_count import ZERO_COUNT_NAN, zero_count_note
 from crosscheck.judge.compare import tree_rel_err
 
 #: A gradient entry beyond this magnitude is no weighting of the fixtures' gradients (their
@@ -265,6 +266,11 @@ def diagnose(
     fitting = [j.candidate for j in judged if j.fits]
     explanations = minimal((c.name for c in fitting if not c.degenerate), scheme.name)
     best = name_of(explanations)
+    # A non-finite gradient fits nothing; on a layout with a unit the intended scheme counts
+    # nothing in, a local 0/0 is what made it (crosscheck.diagnosis.zero_count).
+    zero_note = zero_count_note(scheme, batch, unusable) if unusable else ""
+    if zero_note:
+        explanations, best = [ZERO_COUNT_NAN], ZERO_COUNT_NAN
     errors: dict[str, float] = {}
     for j in judged:
         errors[j.candidate.name] = min(j.error, errors.get(j.candidate.name, math.inf))
@@ -288,6 +294,8 @@ def diagnose(
     notes = {c.name: c.note for c in fitting if c.note}
     if log_note:
         notes["logged denominator"] = log_note
+    if zero_note:
+        notes[ZERO_COUNT_NAN] = zero_note
     diagnosis = Diagnosis(
         fixture=fixture.name,
         world_size=world_size,

@@ -8,6 +8,7 @@ from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, kind_of, signature_o
 from crosscheck.diagnosis.patterns import PATTERNS
 from crosscheck.diagnosis.result import Diagnosis
 from crosscheck.diagnosis.verdict import LEVEL_NAMES, PRECISIONS, auto_levels, level_of
+from crosscheck.diagnosis.zero_count import ZERO_COUNT_NAN
 
 #: Where the worked loops are, for every fix.
 GUIDE = "README, 'Using it in your own loop'"
@@ -103,6 +104,12 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
     d = diagnosis
     best = d.best_match
     fix = ""
+    if d.unusable and d.best_match == ZERO_COUNT_NAN:
+        return (
+            f"The gradient holds {d.unusable}: verification fails. It is {ZERO_COUNT_NAN}: "
+            f"{d.notes.get(ZERO_COUNT_NAN, '')}.",
+            PATTERNS[ZERO_COUNT_NAN].fix,
+        )
     if d.unusable:
         huge = "NaN or inf" not in d.unusable
         return (

@@ -62,7 +62,7 @@ class BugPattern:
 #: `logged_denominator`; a record without ``signature`` is "scale"; ``runs`` lists fixture
 #: (R, M)); a line indented deeper continues the field above it, a ``# `` line is a comment,
 #: and ``{clip_norm}`` stands for CLIP_PER_MICROBATCH_NORM. Kept as text because it is a
-#: table: fourteen records of the same fields read best as the table docs/bugs.md shows.
+#: table: sixteen records of the same fields read best as the table docs/bugs.md shows.
 _CATALOGUE = """
 rank-mean
     intended: token_mean
@@ -215,6 +215,38 @@ float32-count
     logged denominator: the float32 denominator
     fix: accumulate and all-reduce the denominator as an int64 count or in float64 (or carry it
         exactly, torch_impl.exact_carry), never in float32 past 2^24
+
+local-group-count
+    intended: group_token_mean
+    signature: other
+    # Layouts where a prompt group of rollouts is split: group 0 over microbatches at (1, 2),
+    # groups 0 and 1 over ranks and microbatches at (2, 2).
+    runs: rollouts (1, 2), rollouts (2, 2)
+    upstream: slime per-rollout means; verl#2776; SkyRL prompt_mean computed per microbatch
+    step: each microbatch counts a prompt group's valid tokens on its own rows only: token t
+        weighs v_t / n_group,local(t), n_group,local the valid targets of t's group inside t's
+        (rank, microbatch); D, the non-empty prompt groups of the whole update, is right and the
+        gradient reduction is correct
+    logged denominator: D (non-empty groups of the update)
+    fix: count each group's valid tokens over the whole update before any backward: a vector of
+        per-group counts summed over the rank's microbatches and all-reduced once, then
+        a_t = v_t / n_group(t) with that global count
+
+zero-count-nan
+    intended: token_mean
+    signature: other
+    # A microbatch with no valid target: rollouts at (4, 2) holds row 5 alone, empty-rank
+    # at (2, 1) has a whole rank of rows without a loss.
+    runs: rollouts (4, 2), empty-rank (2, 1)
+    upstream: mcore-bridge#104; Megatron-LM#3396; verl#6464; prime-rl#808; NeMo-RL#212
+    step: each microbatch takes its own token mean with a loss mask, sum(l_t m_t) / sum(m_t),
+        divided by M, ranks averaged, without a guard: a microbatch with n_rm = 0 computes
+        0 / 0 = NaN, its backward multiplies the mask by 1/0 (0 x inf = NaN), and the gradient
+        all-reduce puts NaN on every rank (all of the unembedding, the embedding rows it reads)
+    logged denominator: n_rm of rank 0's last microbatch
+    fix: never divide by a local count that can be 0: normalize by the global count of the
+        update (counted before the first backward), or guard an empty microbatch or rank so it
+        adds 0 (max(n, 1), or skip its backward while still joining the collectives)
 """
 
 #: "name (R, M)" of a catalogue record's ``runs`` line.

@@ -30,6 +30,7 @@ from jax_impl.harness.bugs_common import (
     token_loss_sum,
     valid,
 )
+from jax_impl.harness.bugs_groups import GROUP_BUG_STEPS
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params
 
@@ -343,5 +344,6 @@ BUG_STEPS: dict[str, BugStep] = {
     "padding-as-tokens": BugStep(padding_as_tokens),
     "float32-count": BugStep(float32_count),
     RANK_SKEW: BugStep(rank_skew),
+    **GROUP_BUG_STEPS,  # contract v2: local-group-count, zero-count-nan
 }
 """Every buggy step by its id in crosscheck.diagnosis.patterns (PATTERNS, plus RANK_SKEW)."""

@@ -35,6 +35,13 @@ class StepContext(NamedTuple):
     accum_steps: int  # M
     clip_norm: float | None  # the clip-per-microbatch threshold (None if not needed)
     skew: jax.Array  # rank-skew's factor on rank 0's loss (traced: one compile for all skews)
+    #: [M, B] prompt group of each of this rank's rows (traced, sharded by rank); None on the
+    #: host, where only the initial states are built. Read by local-group-count.
+    group_ids: jax.Array | None = None
+    #: [M, B, T] float loss weights as an input pipeline hands them (T5X's
+    #: ``decoder_loss_weights``: 1.0 where the target carries a loss); None on the host.
+    #: Read by zero-count-nan.
+    loss_weights: jax.Array | None = None
 
 
 class WindowOut(NamedTuple):

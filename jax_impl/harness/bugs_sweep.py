@@ -30,6 +30,7 @@ from jax_impl.harness.bugs import BUG_STEPS
 from jax_impl.harness.bugs_common import AXIS, StepContext, WindowOut
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params, params_from_numpy
+from jax_impl.schemes import IGNORE_INDEX
 from jax_impl.shard_map_step import data_mesh, rank_varying
 
 
@@ -44,7 +45,14 @@ class RankMismatchError(RuntimeError):
     """A step's ranks ended a window holding different gradients."""
 
 
-#: sweep(params, batch [R, M, B, T], skew) -> {pattern: BugResult}
+class RowInputs(NamedTuple):
+    """Inputs a step may read beside the tokens, laid out by rank like the batch."""
+
+    group_ids: np.ndarray  # [R, M, B] int32 prompt group of each row
+    loss_weights: np.ndarray  # [R, M, B, T] float, 1.0 where the target carries a loss
+
+
+#: sweep(params, batch [R, M, B, T], skew, group_ids [N]) -> {pattern: BugResult}
 BugSweep = Callable[..., dict[str, BugResult]]
 
 
@@ -102,8 +110,12 @@ def _cached_sweep(
     mesh = data_mesh(world_size, AXIS)
     replicated, by_rank = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
 
-    def per_device(params: Params, batch: Microbatch, states: tuple, skew: jax.Array):
-        ctx = StepContext(AXIS, batch.targets.shape[1], clip_norm, skew)
+    def per_device(
+        params: Params, batch: Microbatch, states: tuple, skew: jax.Array, rows: RowInputs
+    ):
+        ctx = StepContext(
+            AXIS, batch.targets.shape[1], clip_norm, skew, rows.group_ids[0], rows.loss_weights[0]
+        )
         # Each step's own collectives must be the only reduction (see `rank_varying`).
         local_params = rank_varying(params, AXIS)
         rank_batch = jax.tree.map(lambda x: x[0], batch)  # [1, M, B, T] -> [M, B, T]
@@ -119,13 +131,21 @@ def _cached_sweep(
         jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(P(), P(AXIS), P(), P()),
+            in_specs=(P(), P(AXIS), P(), P(), P(AXIS)),
             out_specs=tuple(WindowOut(P(AXIS), P(AXIS), P()) for _ in steps),
         )
     )
 
-    def sweep(params: Params, batch: Microbatch, skew: float = 1.0) -> dict[str, BugResult]:
+    def sweep(
+        params: Params, batch: Microbatch, skew: float = 1.0, group_ids: np.ndarray | None = None
+    ) -> dict[str, BugResult]:
         check_rank_axis(batch, world_size, "bug sweep")
+        rows = RowInputs(
+            lay_out_group_ids(group_ids, np.shape(batch.targets)),
+            # What a pipeline yields beside the tokens: 1.0 where a target carries a loss, in
+            # the weights' (denominator) dtype.
+            (np.asarray(batch.targets) != IGNORE_INDEX).astype(np.asarray(batch.weights).dtype),
+        )
         dtype = jax.tree.leaves(params)[0].dtype
         host_ctx = StepContext(AXIS, int(np.shape(batch.targets)[1]), clip_norm, skew)
         states = tuple(step.init_state(params, host_ctx) for step in steps)
@@ -134,25 +154,41 @@ def _cached_sweep(
         placed_params = jax.device_put(params, replicated)
         placed_batch = jax.device_put(Microbatch(*batch), by_rank)
         placed_skew = jax.device_put(jnp.asarray(skew, dtype), replicated)
+        placed_rows = jax.device_put(rows, by_rank)
         states = jax.device_put(states, replicated)
         for _ in range(num_windows):
-            outs = program(placed_params, placed_batch, states, placed_skew)
+            outs = program(placed_params, placed_batch, states, placed_skew, placed_rows)
             states = tuple(out.state for out in outs)
         return {p: _result(p, out) for p, out in zip(patterns, outs, strict=True)}
 
     return sweep
 
 
+def lay_out_group_ids(group_ids: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """[N] group ids as [R, M, B] int32, like the batch's [R, M, B, T]; without them every row
+    is its own group (contract v2's default, ``arange(N)``)."""
+    R, M, B = shape[:3]
+    if group_ids is None:
+        group_ids = np.arange(R * M * B)
+    group_ids = np.asarray(group_ids)
+    if group_ids.shape != (R * M * B,) or not np.issubdtype(group_ids.dtype, np.integer):
+        raise ValueError(f"group_ids must be {R * M * B} integers, got {group_ids.shape}")
+    return group_ids.astype(np.int32).reshape(R, M, B)
+
+
 def _result(pattern: str, out: WindowOut) -> BugResult:
-    """Rank 0's gradient as float64 numpy after checking every rank holds exactly the same."""
+    """Rank 0's gradient as float64 numpy after checking every rank holds exactly the same
+    (NaN where rank 0 has NaN counts as the same: zero-count-nan's all-reduced NaN is)."""
     grads = {}
     for name, stacked in out.grads.items():
         stacked = np.asarray(stacked, dtype=np.float64)
-        spread = np.abs(stacked - stacked[0]).max()
-        if not spread == 0:  # also catches NaN
+        same = (stacked == stacked[0]) | (np.isnan(stacked) & np.isnan(stacked[0]))
+        if not same.all():
+            spread = np.nanmax(np.abs(stacked - stacked[0]))
             raise RankMismatchError(
                 f"{pattern}: the ranks hold different {name} gradients after the window "
-                f"(max difference {spread!r}); a synchronized gradient is identical on all"
+                f"(max difference {spread!r}, or NaN on some ranks only); a synchronized "
+                "gradient is identical on all"
             )
         grads[name] = stacked[0]
     return BugResult(grads, float(np.asarray(out.logged)[0]))

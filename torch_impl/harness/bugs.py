@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from torch_impl.batch import BATCH_KEYS, TokenBatch, rank_microbatches
+from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, TokenBatch, rank_microbatches
 from torch_impl.harness.bugs_windows import RANK_SKEW, WINDOW_STEPS, Window
 from torch_impl.model import PARAM_NAMES, BilinearLM, numpy_grads
 
@@ -49,7 +49,8 @@ class BugStep:
     label: str
     #: A ``crosscheck.diagnosis.patterns.PATTERNS`` id, or ``RANK_SKEW``.
     pattern: str
-    #: Global [N, T] arrays: inputs, targets, segment_ids, weights.
+    #: Global [N, T] arrays: inputs, targets, segment_ids, weights; and optionally contract
+    #: v2's group_ids / row_weights / sample_mask [N] and document_ids [N, T].
     batch: Mapping[str, np.ndarray]
     #: float64 ``embed`` [V, H] and ``unembed`` [H, V].
     params: Mapping[str, np.ndarray]
@@ -105,12 +106,17 @@ def validate_step(step: BugStep, rank: int, world_size: int) -> list[TokenBatch]
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"{where}: rank {rank} is not in a world of size {world_size}")
-    for what, mapping, keys in (
-        ("batch", step.batch, BATCH_KEYS),
-        ("params", step.params, PARAM_NAMES),
-    ):
-        if set(mapping) != set(keys):
-            raise ValueError(f"{where}: {what} must hold exactly {keys}, got {sorted(mapping)}")
+    # The batch holds the four token arrays and, optionally, contract v2's row fields
+    # (group_ids for local-group-count); the params exactly embed and unembed.
+    if not set(BATCH_KEYS) <= set(step.batch) <= {*BATCH_KEYS, *OPTIONAL_KEYS}:
+        raise ValueError(
+            f"{where}: batch must hold {BATCH_KEYS} and optionally {OPTIONAL_KEYS}, "
+            f"got {sorted(step.batch)}"
+        )
+    if set(step.params) != set(PARAM_NAMES):
+        raise ValueError(
+            f"{where}: params must hold exactly {PARAM_NAMES}, got {sorted(step.params)}"
+        )
     embed, unembed = np.asarray(step.params["embed"]), np.asarray(step.params["unembed"])
     if embed.ndim != 2 or unembed.shape != embed.shape[::-1]:
         raise ValueError(

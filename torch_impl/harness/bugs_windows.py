@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torch_impl.batch import TokenBatch
+from torch_impl.harness.bugs_groups import local_group_count, zero_count_nan
 from torch_impl.harness.windows import (
     Window,
     WindowStep,
@@ -310,5 +311,8 @@ WINDOW_STEPS: dict[str, WindowStep] = {
     "packed-as-one": packed_as_one,
     "padding-as-tokens": padding_as_tokens,
     "float32-count": float32_count,
+    # Contract v2 (torch_impl.harness.bugs_groups).
+    "local-group-count": local_group_count,
+    "zero-count-nan": zero_count_nan,
     RANK_SKEW: rank_skew,
 }
