@@ -9,8 +9,7 @@ explicitly (`Plan.explicit`) runs in no case: a run never passes having checked 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from crosscheck.contract.cases import (
@@ -32,23 +31,15 @@ from crosscheck.run.implementations import (
     not_installed,
     why_unsupported,
 )
+from crosscheck.run.plan_refusal import (
+    DIMENSIONS,
+    WORLD_SIZE_CHANGE_FAMILY,
+    layout_reason,
+    refusal,
+)
 from crosscheck.run.resume import RESUME_RUNNERS, default_cases, starting_cases
 
-#: Layouts of the same global batch with R x M = 4: losing half the ranks and doubling the
-#: accumulation must not change an intended scheme's update.
-WORLD_SIZE_CHANGE_FAMILY: tuple[tuple[int, int], ...] = ((1, 4), (2, 2), (4, 1))
-
-#: The plan's lists a user can name, in the order a refusal reports them: list -> (the
-#: attribute of a case that holds one of its values, how a message names a value).
-DIMENSIONS: dict[str, tuple[str, str]] = {
-    "fixtures": ("fixture", "fixture {}"),
-    "impls": ("impl", "{}"),
-    "dtypes": ("dtype", "dtype {}"),
-    "strategies": ("strategy", "strategy {}"),
-    "schemes": ("scheme", "scheme {}"),
-    "world_sizes": ("world_size", "world size {}"),
-    "accum_steps": ("accum_steps", "accumulation steps {}"),
-}
+__all__ = ["DIMENSIONS", "WORLD_SIZE_CHANGE_FAMILY", "Plan", "PlanBuild", "PlanError"]
 
 
 class PlanError(ValueError):
@@ -64,11 +55,6 @@ class PlanBuild:
     oracle_layouts: dict[str, list[tuple[int, int]]]
     resume_cases: list[ResumeCase]
     skipped: list[SkippedCase]
-
-
-def layout_reason(fixture: str, num_rows: int) -> str:
-    """Why a layout does not run on a fixture; one sentence per fixture, so skips group."""
-    return f"{fixture} has {num_rows} rows, not divisible by R x M"
 
 
 @dataclass(kw_only=True)
@@ -244,7 +230,7 @@ class Plan:
         resume_cases: list[ResumeCase] = []
         if self.resume:
             resume_cases = self._resume_cases(skipped)
-        problem = self._refusal([*cases, *oracle_cases], skipped, bool(resume_cases))
+        problem = refusal(self, [*cases, *oracle_cases], skipped, bool(resume_cases))
         if problem:
             raise PlanError(problem)
         return PlanBuild(
@@ -278,92 +264,6 @@ class Plan:
                     skipped.append(_skip("resume", case, reason))
         return cases
 
-    def _refusal(self, ran: list[Case], skipped: list[SkippedCase], resumes: bool) -> str:
-        """'' when the plan may run, else the one line that says why not.
-
-        Refused: a plan that runs nothing (explained by the first of its values that runs in
-        no case), and a value of an explicit list that runs in no case."""
-        problems = self._values_in_no_case(ran, skipped, self.explicit)
-        if ran and not problems:
-            return ""
-        if not problems:
-            # Nothing runs and nothing named explicitly explains it: the first value of the
-            # plan's own lists that runs nowhere does (every value runs nowhere).
-            problems = self._values_in_no_case(ran, skipped, DIMENSIONS)[:1]
-        message = problems[0][1]
-        if len(problems) > 1:
-            message += f" (also in no case: {', '.join(named for named, _ in problems[1:])})"
-        if ran:
-            return message
-        return f"{'only resume rows' if resumes else 'nothing'} to run: {message}"
-
-    def _values_in_no_case(
-        self, ran: list[Case], skipped: list[SkippedCase], names: Iterable[str]
-    ) -> list[tuple[str, str]]:
-        """(the value as named, why) for each value of the lists `names` that runs nowhere."""
-        problems = []
-        for name, (attribute, label) in DIMENSIONS.items():
-            if name not in names:
-                continue
-            present = {getattr(case, attribute) for case in ran}
-            for value in getattr(self, name):
-                if value not in present:
-                    named = label.format(value)
-                    problems.append((named, self._never_runs(name, value, named, skipped)))
-        return problems
-
-    def _never_runs(self, name: str, value: object, named: str, skipped: list[SkippedCase]) -> str:
-        """Why `value` of the list `name` runs in no case: the runners' reasons (most frequent
-        first) where some layout divides its fixture, else the layouts that divide none."""
-        attribute = DIMENSIONS[name][0]
-        mine = [s for s in skipped if s.check != "resume" and getattr(s, attribute) == value]
-        by_layout = [s for s in mine if _is_layout_skip(s)]
-        runner_reasons = Counter(s.reason for s in mine if not _is_layout_skip(s))
-        layout_reasons = Counter(s.reason for s in by_layout)
-        if name == "fixtures" and mine and len(by_layout) == len(mine):
-            return self._no_layout_divides(str(value))
-        # Where a layout divides, the runners' reasons are what keeps the value out; the
-        # layouts that divide nothing would not let it in either.
-        reasons = [r for r, _ in (runner_reasons or layout_reasons).most_common()]
-        if not reasons:
-            if name == "strategies":
-                reasons = [
-                    "a strategy applies to an intended scheme on a torch or JAX implementation, "
-                    f"and this plan has none (impls {', '.join(self.impls)}; "
-                    f"schemes {', '.join(self.schemes)})"
-                ]
-            elif name == "dtypes" and set(self.impls) == {"oracle"}:
-                reasons = ["the oracle runs in float64 only"]
-            else:
-                reasons = [f"no implementation of the plan runs it ({', '.join(self.impls)})"]
-        return f"{named} runs in no case of this plan: {_join_reasons(reasons)}"
-
-    def _no_layout_divides(self, fixture: str) -> str:
-        """A fixture none of whose asked-for layouts divides its rows: which, and the layouts."""
-        num_rows = builtin_fixture(fixture).num_rows
-        asked = ", ".join(f"{R} x {M}" for R in self.world_sizes for M in self.accum_steps)
-        message = (
-            f"fixture {fixture} has {num_rows} rows, which none of the layouts asked for "
-            f"divides: R x M = {asked} (world sizes {', '.join(map(str, self.world_sizes))}; "
-            f"accum steps {', '.join(map(str, self.accum_steps))})"
-        )
-        family_used = self.world_size_change and set(self.impls) != {"oracle"}
-        if family_used and all(num_rows % (R * M) for R, M in WORLD_SIZE_CHANGE_FAMILY):
-            family = ", ".join(f"{R} x {M}" for R, M in WORLD_SIZE_CHANGE_FAMILY)
-            message += f", nor the world-size-change layouts {family}"
-        return message
-
-
-def _is_layout_skip(skip: SkippedCase) -> bool:
-    return skip.reason == layout_reason(skip.fixture, builtin_fixture(skip.fixture).num_rows)
-
 
 def _skip(check: str, case: Case, reason: str) -> SkippedCase:
     return SkippedCase(check=check, reason=reason, **case.coordinates())
-
-
-def _join_reasons(reasons: list[str], most: int = 3) -> str:
-    text = "; ".join(reasons[:most])
-    if len(reasons) > most:
-        text += f"; and {len(reasons) - most} more"
-    return text

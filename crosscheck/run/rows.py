@@ -17,7 +17,7 @@ from functools import cache
 
 import numpy as np
 
-from crosscheck.contract.cases import Case, CaseOutput, CaseResult, TrainSettings
+from crosscheck.contract.cases import Case, CaseOutput, CaseResult, Params, TrainSettings
 from crosscheck.contract.optimizers import UpdateRecord, train
 from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
@@ -221,6 +221,11 @@ def cross_implementation(outputs: dict[Case, CaseOutput]) -> list[CaseResult]:
     return rows
 
 
+def _final_or_gradient(output: CaseOutput) -> Params:
+    """The params after the last update, or the gradient of a case without an optimizer step."""
+    return output.params[-1] if output.params else output.grads
+
+
 def world_size_change(
     outputs: dict[Case, CaseOutput], families: Iterable[tuple[tuple[int, int], ...]]
 ) -> list[CaseResult]:
@@ -240,10 +245,12 @@ def world_size_change(
             present = [layout for layout in family if layout in layouts]
             if len(present) < 2:
                 continue
-            base = outputs[layouts[present[0]]].params[-1]
+            # A trainer-mode case is one update without a step: its gradient stands for it.
+            judged = [_final_or_gradient(outputs[layouts[layout]]) for layout in present]
+            base = judged[0]
             errs = {
-                layout: tree_rel_err(outputs[layouts[layout]].params[-1], base).max_rel_err
-                for layout in present[1:]
+                layout: tree_rel_err(tree, base).max_rel_err
+                for layout, tree in zip(present[1:], judged[1:], strict=True)
             }
             worst = max(errs.values())
             intended = resolve_scheme(scheme).intended
@@ -261,7 +268,10 @@ def world_size_change(
                     dtype=dtype,
                     max_rel_err=worst,
                     ok=ok,
-                    reference=f"params at R={present[0][0]},M={present[0][1]}",
+                    reference=(
+                        f"{'params' if outputs[layouts[present[0]]].params else 'gradient'} "
+                        f"at R={present[0][0]},M={present[0][1]}"
+                    ),
                     detail=" ".join(f"R={r},M={m}: {e:.2e}" for (r, m), e in errs.items()),
                     extra={"layouts": [list(layout) for layout in present]},
                 )
