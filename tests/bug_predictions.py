@@ -11,6 +11,8 @@ import functools
 import math
 from collections.abc import Callable
 
+import numpy as np
+
 from crosscheck.contract.layout import IGNORE_INDEX
 from crosscheck.diagnosis.patterns import RANK_SKEW
 from crosscheck.fixtures.builtin import builtin_fixture
@@ -31,7 +33,25 @@ def counts(fixture_name: str, R: int, M: int) -> dict[str, float]:
         "rank0": float(per_microbatch[0].sum()),
         "rank0_last_microbatch": float(per_microbatch[0, M - 1].sum()),
         "weight_total": math.fsum(fixture.weights[valid].tolist()),
+        # Prompt groups with a valid target (every row its own group without group_ids).
+        "groups": float(len(set(fixture.group_ids[valid.any(axis=1)].tolist()))),
     }
+
+
+def local_group_count_weights(fixture_name: str, R: int, M: int) -> np.ndarray:
+    """[N, T] effective weights of local-group-count's text: v_t / (n_group,local(t) D_G),
+    with the group's count taken over the rows of t's own (rank, microbatch) only."""
+    fixture = builtin_fixture(fixture_name)
+    valid = fixture.targets != IGNORE_INDEX
+    groups, per_row = fixture.group_ids, valid.sum(axis=1)
+    B = fixture.num_rows // (R * M)
+    weights = np.zeros(valid.shape)
+    for start in range(0, fixture.num_rows, B):  # rank-major microbatches of B rows
+        unit = slice(start, start + B)
+        for row in range(start, start + B):
+            n_local = per_row[unit][groups[unit] == groups[row]].sum()
+            weights[row] = valid[row] / max(n_local, 1)
+    return weights / counts(fixture_name, R, M)["groups"]
 
 
 #: pattern -> its logged denominator from (counts, R): the `logged_denominator` of its text.
@@ -49,6 +69,8 @@ LOGGED_DENOMINATOR: dict[str, Callable[[dict[str, float], int], float]] = {
     "double-reduce-count": lambda c, R: R * c["D"],
     "packed-as-one": lambda c, R: c["rows"],
     "padding-as-tokens": lambda c, R: c["slots"],
+    "local-group-count": lambda c, R: c["groups"],
+    "zero-count-nan": lambda c, R: c["rank0_last_microbatch"],
     RANK_SKEW: lambda c, R: c["D"],
     # float32-count: the float32 rounding of the weight total, which each test checks itself.
 }

@@ -7,10 +7,12 @@ import pytest
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad, weighted_grad
-from crosscheck.contract.schemes import INTENDED_SCHEMES, get_scheme
+from crosscheck.contract.schemes import INTENDED_SCHEMES
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.diagnosis import candidates
 from crosscheck.diagnosis.diagnose import AMBIGUOUS, CONDITION_LIMIT, UNKNOWN, diagnose
 from crosscheck.diagnosis.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS
+from crosscheck.diagnosis.spec_candidates import spec_pattern_candidates
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
 from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL
 
@@ -55,10 +57,15 @@ def test_intended_gradient_is_not_a_false_alarm(fixture_name, scheme):
 def _prediction(pattern: str, fixture: Fixture, R: int, M: int):
     """The oracle-side prediction of a pattern at a layout (what a faithful bug produces)."""
     spec = PATTERNS[pattern]
-    scheme = get_scheme(spec.intended)
+    scheme = resolve_scheme(spec.intended)
     batch = fixture.layout(R, M)
     w = batch.to_global(scheme.effective_weights(batch))
     D = scheme.global_denominator(batch)
+    if pattern == "local-group-count":
+        (match,) = [c for c in spec_pattern_candidates(scheme, batch) if c.name == pattern]
+        return match.weights, match.logged_denominator, D
+    if pattern == "zero-count-nan":  # 0/0 on the empty microbatch: NaN reaches every token
+        return np.full(w.shape, np.nan), None, D
     if pattern == "float32-count":
         D32 = float(
             np.float32(np.where(fixture.valid, fixture.weights, 0).astype(np.float32).sum())
@@ -140,6 +147,43 @@ def test_nan_never_passes():
     d = diagnose(fixture, 2, 1, grads, "token_mean")
     assert d.detected and d.best_match == UNKNOWN
     assert "NaN or inf" in d.explanation
+
+
+def _nan_at(grads: dict[str, np.ndarray], value: float = np.nan) -> dict[str, np.ndarray]:
+    grads = {k: v.copy() for k, v in grads.items()}
+    grads["unembed"][0, 0] = value
+    return grads
+
+
+def test_nan_on_a_layout_with_an_empty_microbatch_is_zero_count_nan():
+    """rollouts at (4, 2): row 5, alone in rank 2's microbatch 1, has no valid target."""
+    fixture = builtin_fixture("rollouts")
+    grads = _nan_at(loss_and_grad(fixture, "token_mean", 4, 2).grads)
+    d = diagnose(fixture, 4, 2, grads, "token_mean")
+    assert d.detected and d.best_match == "zero-count-nan" and d.matches == ("zero-count-nan",)
+    assert "rank 2 microbatch 1 has no token that token_mean counts" in d.explanation
+    assert d.fix == PATTERNS["zero-count-nan"].fix
+    # inf is as non-finite as NaN; a whole empty rank is named as the rank.
+    empty = builtin_fixture("empty-rank")
+    grads = _nan_at(loss_and_grad(empty, "token_mean", 2, 2).grads, np.inf)
+    d = diagnose(empty, 2, 2, grads, "token_mean")
+    assert d.best_match == "zero-count-nan"
+    assert "rank 1 (all 2 microbatches)" in d.explanation
+
+
+def test_nan_without_an_empty_unit_or_a_huge_entry_is_not_zero_count_nan():
+    """Only a non-finite gradient on a layout with an empty unit is named; the intended
+    gradient of the same layout still passes (no verdict on a finite gradient moves)."""
+    fixture = builtin_fixture("rollouts")
+    grads = loss_and_grad(fixture, "token_mean", 2, 2).grads  # no empty microbatch at (2, 2)
+    assert diagnose(fixture, 2, 2, _nan_at(grads), "token_mean").best_match == UNKNOWN
+    correct = loss_and_grad(fixture, "token_mean", 4, 2).grads
+    assert not diagnose(fixture, 4, 2, correct, "token_mean").detected
+    huge = diagnose(fixture, 4, 2, _nan_at(correct, 1e200), "token_mean")
+    assert huge.detected and huge.best_match == UNKNOWN
+    # sum has no denominator: no local mean of it divides by 0.
+    summed = loss_and_grad(fixture, "sum", 4, 2).grads
+    assert diagnose(fixture, 4, 2, _nan_at(summed), "sum").best_match == UNKNOWN
 
 
 def test_indistinguishable_groups_are_reported_as_ill_posed():

@@ -18,7 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bug_outputs import bug_output, judged_runs, skew_run
-from bug_predictions import LOGGED_DENOMINATOR, TOKEN_MEAN_SCALE, counts
+from bug_predictions import (
+    LOGGED_DENOMINATOR,
+    TOKEN_MEAN_SCALE,
+    counts,
+    local_group_count_weights,
+)
 
 from crosscheck.bugs import jax_bugs
 from crosscheck.bugs.catalogue_run import SKEW
@@ -85,6 +90,8 @@ def _assert_close(run: BugRun, actual: dict, expected: dict, rtol: float = FLOAT
 
 def test_every_run_produced_a_finite_synchronized_gradient() -> None:
     for run in [*CATALOGUE, *SKEW_RUNS]:
+        if run.pattern == "zero-count-nan":
+            continue  # NaN by design: its own test below
         out = bug_output(run)
         f = builtin_fixture(run.fixture)
         assert set(out.grads) == {"embed", "unembed"}, run.describe()
@@ -143,6 +150,28 @@ def test_local_means_are_the_oracles_accidental_schemes(pattern: str) -> None:
         want = loss_and_grad(builtin_fixture(run.fixture), scheme, run.world_size, run.accum_steps)
         _assert_close(run, bug_output(run).grads, want.grads)
         assert tree_rel_err(want.grads, _token_mean(run).grads).max_rel_err > 1e-3
+
+
+def test_local_group_count_weighs_each_group_part_by_its_microbatch_count() -> None:
+    runs = [r for r in CATALOGUE if r.pattern == "local-group-count"]
+    assert runs
+    for run in runs:
+        f = builtin_fixture(run.fixture)
+        want = _grad(f, local_group_count_weights(f.name, run.world_size, run.accum_steps))
+        _assert_close(run, bug_output(run).grads, want)
+        # The layout splits a group: the global count would be another gradient.
+        intended = loss_and_grad(f, "group_token_mean", run.world_size, run.accum_steps)
+        assert tree_rel_err(want, intended.grads).max_rel_err > 1e-3, run.describe()
+
+
+def test_zero_count_nan_puts_nan_on_every_rank() -> None:
+    """The sweep checked every rank holds the same gradient, NaN included; the empty
+    microbatch's 0/0 reaches all of the unembedding and the embedding rows it reads."""
+    runs = [r for r in CATALOGUE if r.pattern == "zero-count-nan"]
+    assert runs
+    for run in runs:
+        grads = bug_output(run).grads
+        assert np.isnan(grads["unembed"]).all() and np.isnan(grads["embed"]).any(), run
 
 
 def test_packed_as_one_weighs_every_token_by_its_row() -> None:

@@ -13,7 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from bug_outputs import bug_output, judged_runs
-from bug_predictions import LOGGED_DENOMINATOR, TOKEN_MEAN_SCALE, counts
+from bug_predictions import (
+    LOGGED_DENOMINATOR,
+    TOKEN_MEAN_SCALE,
+    counts,
+    local_group_count_weights,
+)
 
 from crosscheck.bugs import torch_bugs
 from crosscheck.contract.layout import IGNORE_INDEX
@@ -84,6 +89,9 @@ def predicted_grads(bug_run: BugRun, logged: float) -> Grads:
         return _clip_per_microbatch(bug_run)
     if bug_run.pattern == RANK_SKEW:
         return _rank_skew(bug_run)
+    if bug_run.pattern == "local-group-count":
+        c = local_group_count_weights(fixture.name, R, M)
+        return weighted_grad(fixture.params(), fixture.inputs, fixture.targets, c)
     raise AssertionError(f"no prediction for {bug_run.pattern!r}")
 
 
@@ -101,10 +109,15 @@ def test_every_pattern_has_torch_runs_and_a_prediction() -> None:
     assert {r.pattern for r in RUNS} == every
     assert {*LOGGED_DENOMINATOR, "float32-count"} == every
     predicted = {*TOKEN_MEAN_SCALE, *AS_SCHEME, "float32-count", "clip-per-microbatch", RANK_SKEW}
-    assert predicted == every
+    # zero-count-nan's gradient is NaN, checked by its own test.
+    assert predicted | {"local-group-count", "zero-count-nan"} == every
 
 
-@pytest.mark.parametrize("bug_run", RUNS, ids=_ids(RUNS))
+FINITE_RUNS = [r for r in RUNS if r.pattern != "zero-count-nan"]
+NAN_RUNS = [r for r in RUNS if r.pattern == "zero-count-nan"]
+
+
+@pytest.mark.parametrize("bug_run", FINITE_RUNS, ids=_ids(FINITE_RUNS))
 def test_gradient_is_finite(bug_run: BugRun) -> None:
     out = bug_output(bug_run)
     fixture = builtin_fixture(bug_run.fixture)
@@ -132,7 +145,16 @@ def test_logged_denominator(bug_run: BugRun) -> None:
     assert logged == expected, f"{bug_run.describe()}: logged {logged!r}, expected {expected!r}"
 
 
-@pytest.mark.parametrize("bug_run", RUNS, ids=_ids(RUNS))
+@pytest.mark.parametrize("bug_run", NAN_RUNS, ids=_ids(NAN_RUNS))
+def test_zero_count_nan_puts_nan_on_every_rank(bug_run: BugRun) -> None:
+    """The empty microbatch's 0/0 reaches all of the unembedding and the embedding rows its
+    inputs read; every rank holds the same NaN (`check_ranks_agree` compares NaN as equal)."""
+    grads = bug_output(bug_run).grads
+    assert np.isnan(grads["unembed"]).all(), bug_run.describe()
+    assert np.isnan(grads["embed"]).any(), bug_run.describe()
+
+
+@pytest.mark.parametrize("bug_run", FINITE_RUNS, ids=_ids(FINITE_RUNS))
 def test_gradient_matches_the_pattern(bug_run: BugRun) -> None:
     out = bug_output(bug_run)
     expected = predicted_grads(bug_run, out.logged_denominator)
@@ -234,6 +256,13 @@ def test_rank_side_validation_names_what_and_where() -> None:
     with pytest.raises(BatchError, match=r"rank 1, microbatch 1, row 0 \(global row 6\)"):
         validate_step(bad, 0, 2)
     assert len(validate_step(step, 1, 2)) == 2
+    # Contract v2's row fields travel with the batch, and reach the microbatches; a key
+    # that is neither a token array nor a v2 field is refused by name.
+    groups = np.arange(8) // 3
+    (first, _) = validate_step(_step(batch={**step.batch, "group_ids": groups}), 1, 2)
+    assert first.group_ids.tolist() == groups[4:6].tolist()
+    with pytest.raises(ValueError, match=r"packed step: batch must hold .*'labels'"):
+        validate_step(_step(batch={**step.batch, "labels": targets}), 0, 2)
 
 
 def test_a_rank_with_another_gradient_is_named() -> None:

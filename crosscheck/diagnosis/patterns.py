@@ -220,8 +220,9 @@ local-group-count
     intended: group_token_mean
     signature: other
     # Layouts where a prompt group of rollouts is split: group 0 over microbatches at (1, 2),
-    # groups 0 and 1 over ranks and microbatches at (2, 2).
-    runs: rollouts (1, 2), rollouts (2, 2)
+    # groups 0 and 1 over ranks and microbatches at (2, 2), every group over ranks at (4, 1).
+    # rollouts is the one built-in fixture with prompt groups, hence three layouts of it.
+    runs: rollouts (1, 2), rollouts (2, 2), rollouts (4, 1)
     upstream: slime per-rollout means; verl#2776; SkyRL prompt_mean computed per microbatch
     step: each microbatch counts a prompt group's valid tokens on its own rows only: token t
         weighs v_t / n_group,local(t), n_group,local the valid targets of t's group inside t's
