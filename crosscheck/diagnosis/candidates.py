@@ -22,6 +22,10 @@ stale-count          :math:`w^I D / (D + \sum \text{earlier } D)`
 clip-per-microbatch  :math:`w^I \min(1, c / \lVert g_m \rVert)` per accumulation step m, with
                      torch's or optax's clipping convention
 float32-count        :math:`w^I D / \tilde D`, :math:`\tilde D` a float32 number near D > 2^24
+local-group-count    the intended spec with its group count per microbatch
+                     (`crosscheck.diagnosis.spec_candidates`)
+zero-count-nan       no weights: a non-finite gradient on a layout with a unit the intended
+                     scheme counts nothing in (`crosscheck.diagnosis.zero_count`)
 ==================== ======================================================================
 
 and every other scheme's own weights under its own name. The definitions of what each buggy

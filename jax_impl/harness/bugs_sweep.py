@@ -208,7 +208,8 @@ def run_bug_step(
 ) -> BugResult:
     """One buggy step on a global batch ([N, T] numpy arrays) laid out over (R, M).
 
-    Rank r gets rows [r N/R, (r+1) N/R), split into M contiguous microbatches. float64 needs
+    Rank r gets rows [r N/R, (r+1) N/R), split into M contiguous microbatches; an optional
+    ``group_ids`` [N] array in `batch` gives each row's prompt group. float64 needs
     ``jax_enable_x64``. ValueError for an unknown pattern, R above the device count, or a
     layout that does not divide the rows.
     """
@@ -223,4 +224,5 @@ def run_bug_step(
         weights_dtype=np.dtype(dtype),
     )
     sweep = make_bug_sweep([pattern], world_size, clip_norm=clip_norm, num_windows=num_windows)
-    return sweep(jax_params, laid_out, skew)[pattern]
+    # Contract v2's group ids, when the batch carries them (local-group-count reads them).
+    return sweep(jax_params, laid_out, skew, batch.get("group_ids"))[pattern]
