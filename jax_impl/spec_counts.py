@@ -30,7 +30,10 @@ reduced. ``power_sum`` sums over the non-empty groups of u of n_{G'}^(-alpha') w
 the weight's count scope; with f the finer of U and that scope it is, token by token,
 :math:`\sum_{t \in u,\ m'_t = 1} n_{cs}(t)^{-\alpha'} / n_f(t)` (each group's n_f tokens in
 a piece f add up to one term), except for id groupings counted at update scope with U =
-update, taken from the update's vector.
+update, taken from the update's vector. When a group or document spans several units of a
+count scope finer than U (count_scope microbatch, U = update), each of its pieces is a term
+with its own count: docs/schemes-as-data.md leaves that case open (one count per group is not
+defined there), and numpy's oracle takes one count per group instead.
 """
 
 from __future__ import annotations
@@ -193,6 +196,82 @@ def _groups_parts(
     return None, (jnp.sum(per_mb) > 0).astype(jnp.int32)  # grouping rank: a non-empty rank
 
 
+def denominator_parts(
+    spec: SchemeSpec,
+    batch: SpecBatch,
+    d_mask: jax.Array,
+    ids: dict[tuple[str, str], IdCounts],
+    with_derived: bool = True,
+) -> DenominatorParts:
+    """D's parts of one rank (module docstring). Without `with_derived` the unit-level
+    parts, which may need the update's count vectors, are left out (None)."""
+    dtype = denominator_dtype()
+    w, d, U = spec.weight, spec.denominator, spec.scope
+    M = batch.targets.shape[0]
+    # Zeros built from the data: under shard_map they vary across ranks like the real parts.
+    zero_count = jnp.zeros_like(batch.targets, shape=(M,), dtype=jnp.int32)
+    zero_weight = jnp.zeros_like(batch.targets, shape=(M,), dtype=dtype)
+    mb_count, mb_weight = zero_count, ExactSum(zero_weight, zero_weight)
+    rank_count = jnp.zeros_like(zero_count, shape=())
+    derived_count = derived_float = None
+    d_ids = ids.get(("d", d.group))
+    if d.kind == "tokens":
+        mb_count = jnp.sum(d_mask, axis=(-2, -1), dtype=jnp.int32)
+    elif d.kind == "slots":
+        mb_count = zero_count + batch.targets[0].size
+    elif d.kind in ("groups", "all_groups") and d.group in ID_GROUPINGS:
+        if with_derived:
+            # Distinct ids with a token in the unit: from the unit's own count vector.
+            vector = {"microbatch": d_ids.microbatch, "rank": d_ids.rank}.get(U, d_ids.update)
+            derived_count = nonempty(vector, _first_id(d.group))
+    elif d.kind in ("groups", "all_groups"):
+        c, r = _groups_parts(d_mask, d.group, U, batch)
+        mb_count = zero_count if c is None else c
+        rank_count = rank_count if r is None else r
+    elif d.kind == "weight_sum":
+        mb_weight = exact_sum(jnp.where(d_mask, batch.weights.astype(dtype), 0), (-2, -1))
+    elif d.kind == "abs_row_weight_sum":
+        # Every row of the unit, whatever its mask (TRL weighted_nll divides by the absolute
+        # weights of all rows, fully masked ones included).
+        mb_weight = exact_sum(jnp.abs(batch.row_weights).astype(dtype), (-1,))
+    elif d.kind == "power_sum":
+        if d.group in ID_GROUPINGS and w.count_scope == "update" and U == "update":
+            if with_derived:  # sum over the update's non-empty ids of N^(-alpha')
+                counts = d_ids.update[_first_id(d.group) :]
+                power = inverse_power(counts, d.alpha, counts > 0, dtype)
+                derived_float = exact_sum(power).value()
+        else:
+            n_cs = token_counts(d_mask, d.group, w.count_scope, batch, d_ids)
+            n_f = token_counts(d_mask, d.group, finer(U, w.count_scope), batch, d_ids)
+            per_token = inverse_power(n_cs, d.alpha, d_mask, dtype)
+            per_token = per_token * inverse_power(n_f, 1.0, d_mask, dtype)
+            mb_weight = exact_sum(per_token, (-2, -1))
+    return DenominatorParts(mb_count, mb_weight, rank_count, derived_count, derived_float)
+
+
+def numerator_weights(
+    spec: SchemeSpec, batch: SpecBatch, mask: jax.Array, ids: dict[tuple[str, str], IdCounts]
+) -> jax.Array:
+    """a_t = m_t s_t n_G(t)^(-alpha) in the denominator dtype, 0 where m_t = 0.
+
+    Built as `jax_impl.schemes` builds v1's a_t (v_t as a float, where(v, 1 / n, 0),
+    where(v, w, 0)), so that a v1 scheme written as a spec has the same bits."""
+    dtype = denominator_dtype()
+    w = spec.weight
+    a = None
+    if w.group != "none":
+        n = token_counts(mask, w.group, w.count_scope, batch, ids.get(("w", w.group)))
+        a = inverse_power(jnp.broadcast_to(n, mask.shape), w.alpha, mask, dtype)
+    soft = None
+    if w.soft == "token":
+        soft = batch.weights.astype(dtype)
+    elif w.soft == "row":
+        soft = jnp.broadcast_to(batch.row_weights.astype(dtype)[..., None], mask.shape)
+    if soft is not None:
+        return jnp.where(mask, soft if a is None else soft * a, 0).astype(dtype)
+    return mask.astype(dtype) if a is None else a
+
+
 def rank_spec_terms(
     spec: SchemeSpec,
     batch: SpecBatch,
@@ -202,11 +281,10 @@ def rank_spec_terms(
     """a_t and D's parts of one rank's [M, B, T] batch, with the count pre-pass.
 
     The pre-pass psum runs when an update-scope count vector is needed, or when
-    `reduce_with_counts` is given: then it maps the (local, rank-summed) parts to what should
-    ride in the same psum (precount's denominator channels), and its reduced value is
+    `reduce_with_counts` is given (U = update only): then it maps the local parts to what
+    should ride in the same psum (precount's denominator channels), and its reduced value is
     returned second (None otherwise).
     """
-    dtype = denominator_dtype()
     w, d, U = spec.weight, spec.denominator, spec.scope
     m = masks(batch)
     numerator_mask = token_mask(w.mask, m)
@@ -214,99 +292,31 @@ def rank_spec_terms(
     if d.kind == "all_groups":
         d_mask = presence_mask(d.group, d.mask, batch, m)
 
-    needs: dict[tuple[str, str], jax.Array] = {}
+    vectors: dict[tuple[str, str], jax.Array] = {}
     if w.group in ID_GROUPINGS:
-        needs[("w", w.group)] = id_vectors(numerator_mask, w.group, batch)
+        vectors[("w", w.group)] = id_vectors(numerator_mask, w.group, batch)
     if d.kind in ("groups", "all_groups", "power_sum") and d.group in ID_GROUPINGS:
-        needs[("d", d.group)] = id_vectors(d_mask, d.group, batch)
+        vectors[("d", d.group)] = id_vectors(d_mask, d.group, batch)
+    ids = {k: IdCounts(v, jnp.sum(v, axis=0, dtype=jnp.int32), None) for k, v in vectors.items()}
     # The update's vectors are needed by update-scope numerator counts, by distinct-id
     # denominators over the update, and by power sums of update-scope counts.
     d_update = w.count_scope == "update" if d.kind == "power_sum" else U == "update"
     need_update = (w.group in ID_GROUPINGS and w.count_scope == "update") or (
-        ("d", d.group) in needs and d_update
+        ("d", d.group) in ids and d_update
     )
-    ids = {key: IdCounts(v, jnp.sum(v, axis=0, dtype=jnp.int32), None) for key, v in needs.items()}
 
-    M = batch.targets.shape[0]
-    zero_count = jnp.zeros_like(batch.targets, shape=(M,), dtype=jnp.int32)
-    zero_weight = jnp.zeros_like(batch.targets, shape=(M,), dtype=dtype)
-
-    def local_parts(
-        ids_now: dict[tuple[str, str], IdCounts], with_derived: bool = True
-    ) -> DenominatorParts:
-        mb_count, mb_weight = zero_count, ExactSum(zero_weight, zero_weight)
-        rank_count = jnp.zeros_like(zero_count, shape=())
-        derived_count = derived_float = None
-        if d.kind == "tokens":
-            mb_count = jnp.sum(d_mask, axis=(-2, -1), dtype=jnp.int32)
-        elif d.kind == "slots":
-            mb_count = zero_count + batch.targets[0].size
-        elif d.kind in ("groups", "all_groups") and d.group in ID_GROUPINGS:
-            if with_derived:
-                # Distinct ids with a token in the unit: from the unit's own count vector.
-                counts = ids_now[("d", d.group)]
-                vector = {"microbatch": counts.microbatch, "rank": counts.rank}.get(U)
-                vector = counts.update if vector is None else vector
-                derived_count = nonempty(vector, _first_id(d.group))
-        elif d.kind in ("groups", "all_groups"):
-            c, r = _groups_parts(d_mask, d.group, U, batch)
-            mb_count = zero_count if c is None else c
-            rank_count = rank_count if r is None else r
-        elif d.kind == "weight_sum":
-            mb_weight = exact_sum(jnp.where(d_mask, batch.weights.astype(dtype), 0), (-2, -1))
-        elif d.kind == "abs_row_weight_sum":
-            # Every row of the unit, whatever its mask (TRL weighted_nll divides by the
-            # absolute weights of all rows, fully masked ones included).
-            mb_weight = exact_sum(jnp.abs(batch.row_weights).astype(dtype), (-1,))
-        elif d.kind == "power_sum":
-            d_ids = ids_now.get(("d", d.group))
-            if d.group in ID_GROUPINGS and w.count_scope == "update" and U == "update":
-                if not with_derived:
-                    return DenominatorParts(mb_count, mb_weight, rank_count, None, None)
-                counts = d_ids.update[_first_id(d.group) :]
-                derived_float = exact_sum(inverse_power(counts, d.alpha, counts > 0, dtype))
-                derived_float = derived_float.value()
-            else:
-                n_cs = token_counts(d_mask, d.group, w.count_scope, batch, d_ids)
-                n_f = token_counts(d_mask, d.group, finer(U, w.count_scope), batch, d_ids)
-                per_token = inverse_power(n_cs, d.alpha, d_mask, dtype) * inverse_power(
-                    n_f, 1.0, d_mask, dtype
-                )
-                mb_weight = exact_sum(per_token, (-2, -1))
-        return DenominatorParts(mb_count, mb_weight, rank_count, derived_count, derived_float)
-
-    reduced = None
+    early, to_reduce, reduced = None, None, None
     if U == "update" and reduce_with_counts is not None:
         # Every part summed over ranks uses local counts only (module docstring): it joins
         # the pre-pass psum, the one collective before the backward.
-        parts_early = local_parts(ids, with_derived=False)
-        to_reduce = reduce_with_counts(parts_early)
-    else:
-        parts_early, to_reduce = None, None
+        early = denominator_parts(spec, batch, d_mask, ids, with_derived=False)
+        to_reduce = reduce_with_counts(early)
     if need_update or to_reduce is not None:
         rank_vectors = {key: c.rank for key, c in ids.items()} if need_update else {}
         total_vectors, reduced = jax.lax.psum((rank_vectors, to_reduce), axis_name)
         ids = {key: c._replace(update=total_vectors.get(key)) for key, c in ids.items()}
-    parts = local_parts(ids)
-    if parts_early is not None:
-        # Same values; the derived (unit-level) parts needed the reduced vectors.
-        parts = parts_early._replace(
-            derived_count=parts.derived_count, derived_float=parts.derived_float
-        )
-
-    # The numerator a_t = m_t s_t n^(-alpha).
-    a = None
-    if w.group != "none":
-        n = token_counts(numerator_mask, w.group, w.count_scope, batch, ids.get(("w", w.group)))
-        a = inverse_power(jnp.broadcast_to(n, numerator_mask.shape), w.alpha, numerator_mask, dtype)
-    if w.soft == "token":
-        soft = batch.weights.astype(dtype)
-    elif w.soft == "row":
-        soft = jnp.broadcast_to(batch.row_weights.astype(dtype)[..., None], numerator_mask.shape)
-    else:
-        soft = None
-    if soft is not None:
-        a = jnp.where(numerator_mask, soft if a is None else soft * a, 0).astype(dtype)
-    elif a is None:
-        a = numerator_mask.astype(dtype)
-    return SpecTerms(a, parts), reduced
+    parts = denominator_parts(spec, batch, d_mask, ids)
+    if early is not None:
+        # The same additive parts as went into the psum; the unit-level ones needed it.
+        parts = early._replace(derived_count=parts.derived_count, derived_float=parts.derived_float)
+    return SpecTerms(numerator_weights(spec, batch, numerator_mask, ids), parts), reduced

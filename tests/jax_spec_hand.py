@@ -168,18 +168,9 @@ def run_hand() -> list[dict]:
             for name, out in zip(names, outs, strict=True):
                 want = weighted_grad(params_np, arrays["inputs"], arrays["targets"], cases[name][2])
                 err = rel_err(_np(out.grads), want)
+                variant = f"{strategy}-{collective}"
                 records.append(
-                    _record(
-                        "hand",
-                        front_end,
-                        "hand",
-                        name,
-                        f"{strategy}-{collective}",
-                        R,
-                        M,
-                        err,
-                        False,
-                        RTOL,
-                    )
-                )
+                    _record("hand", front_end, "hand", name, variant, R=R, M=M, err=err,
+                            same=False, want=RTOL)
+                )  # fmt: skip
     return records

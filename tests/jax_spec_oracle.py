@@ -164,27 +164,17 @@ def run_oracle() -> list[dict]:
                 want = weighted_grad(fixture.params(), fixture.inputs, fixture.targets, c)
                 for s, coll in variants:
                     got = _np(next(outs).grads)
+                    err = rel_err(got, want)
                     records.append(
-                        _record(
-                            "oracle",
-                            front_end,
-                            name,
-                            spec_name,
-                            f"{s}-{coll}",
-                            R,
-                            M,
-                            rel_err(got, want),
-                            False,
-                            RTOL,
-                        )
-                    )
+                        _record("oracle", front_end, name, spec_name, f"{s}-{coll}", R=R, M=M,
+                                err=err, same=False, want=RTOL)
+                    )  # fmt: skip
                     if layout_invariant(spec):
                         grads_by_layout.setdefault((name, spec_name), {})[(R, M)] = got
     for (name, spec_name), by_layout in grads_by_layout.items():
         base = by_layout[(1, 1)]
         for (R, M), got in by_layout.items():
             err = rel_err(got, base)
-            records.append(
-                _record("oracle", "all", name, spec_name, "invariance", R, M, err, False, RTOL)
-            )
+            invariance = ("oracle", "all", name, spec_name, "invariance")
+            records.append(_record(*invariance, R=R, M=M, err=err, same=False, want=RTOL))
     return records

@@ -18,6 +18,7 @@ oracle
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterable
@@ -94,50 +95,62 @@ def layouts(fixture, front_end: str) -> Iterable[tuple[int, int]]:
     return [(R, M) for R in (1, 2, 4) for M in (1, 2) if fixture.num_rows % (R * M) == 0]
 
 
+def v1_variants(front_end: str, M: int) -> tuple[tuple[str, str], ...]:
+    """Every variant; under pmap with M = 1 not pmean (s = R runs at M = 2 for every R):
+    compiling is most of the run."""
+    if front_end == "pmap" and M == 1:
+        return tuple(v for v in VARIANTS["pmap"] if v[1] != "pmean")
+    return VARIANTS[front_end]
+
+
 def run_v1(front_end: str, fixture_names: Iterable[str]) -> list[dict]:
     """Spec forms of the v1 schemes against the v1 path of the same front-end."""
     records, opt = [], optax.sgd(0.1)
-    variants = VARIANTS[front_end]
     names = [*V1_SCHEMES, f"constant:{CONSTANT_C:g}"]
-    spec_configs = [
-        spec_step_config(_plain(n), opt, strategy=s, collective=c)
-        for n in names
-        for s, c in variants
-    ]
-    v1_configs = [jax_impl.StepConfig(optimizer=opt, strategy=s, collective=c) for s, c in variants]
+    local_names = ("rank_mean", "microbatch_mean")
     accidental = [
         jax_impl.StepConfig(optimizer=opt, gradients=g)
         for g in (jax_impl.rank_mean_gradients, jax_impl.microbatch_mean_gradients)
     ]
-    local_specs = [
-        spec_step_config(n, opt, strategy=s, collective=c)
-        for n in ("rank_mean", "microbatch_mean")
-        for s, c in variants
-    ]
-    sweeps: dict[tuple[str, int], Callable] = {}  # built once per R: one compile per shape
+    sweeps: dict[tuple, Callable] = {}  # one per (R, variants): one compile per batch shape
 
-    def cached(kind: str, configs: list, R: int, where: str = front_end) -> Callable:
-        if (kind, R) not in sweeps:
-            sweeps[(kind, R)] = make_sweep(where, configs, R)
-        return sweeps[(kind, R)]
+    def sweep_of(kind: str, R: int, variants: tuple) -> Callable:
+        if (kind, R, variants) not in sweeps:
+            if kind == "spec":
+                configs = [
+                    spec_step_config(_plain(n), opt, strategy=s, collective=c)
+                    for n in (*names, *local_names)
+                    for s, c in variants
+                ]
+            elif kind == "v1":
+                configs = [jax_impl.StepConfig(optimizer=opt, strategy=s, collective=c)
+                           for s, c in variants]  # fmt: skip
+            else:
+                configs = accidental
+            # Global-view jit has no per-rank gradient to replace: its reference is pmap's.
+            where = "pmap" if kind == "accidental" else front_end
+            sweeps[(kind, R, variants)] = make_sweep(where, configs, R)
+        return sweeps[(kind, R, variants)]
 
     for name in fixture_names:
         fixture = builtin_fixture(name)
         params = jax_impl.params_from_numpy(fixture.params(), "float64")
+        arrays = spec_arrays(fixture)
         for R, M in layouts(fixture, front_end):
-            sweep = cached("spec", spec_configs + local_specs, R)
-            batch = spec_batch(fixture, R, M)
-            outs = sweep([params] * len(spec_configs + local_specs), batch)
-            arrays = spec_arrays(fixture)
+            variants = v1_variants(front_end, M)
+            record = functools.partial(_record, "v1", front_end, name, R=R, M=M)
+            num_configs = (len(names) + len(local_names)) * len(variants)
+            outs = iter(
+                sweep_of("spec", R, variants)([params] * num_configs, spec_batch(fixture, R, M))
+            )
             v1_batch = jax_impl.lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
-            v1_sweep = cached("v1", v1_configs, R)
-            i = 0
             for spec_name in names:
                 scheme, _, c = spec_name.partition(":")
-                refs = v1_sweep([params] * len(variants), v1_batch, scheme, float(c or 0))
+                refs = sweep_of("v1", R, variants)(
+                    [params] * len(variants), v1_batch, scheme, float(c or 0)
+                )
                 for (s, coll), ref in zip(variants, refs, strict=True):
-                    got = outs[i]
-                    i += 1
+                    got = next(outs)
                     same = bitwise(got.grads, ref.grads) and np.array_equal(
                         got.global_denominator, ref.global_denominator
                     )
@@ -145,36 +158,16 @@ def run_v1(front_end: str, fixture_names: Iterable[str]) -> list[dict]:
                     # compile-time constant (v1's a runtime argument), and XLA may turn a
                     # division by a constant into a product with its reciprocal (one rounding).
                     want = RTOL if c and s == "postnorm" else "bitwise"
-                    records.append(
-                        _record(
-                            "v1",
-                            front_end,
-                            name,
-                            spec_name,
-                            f"{s}-{coll}",
-                            R,
-                            M,
-                            rel_err(got.grads, _np(ref.grads)),
-                            same,
-                            want,
-                        )
-                    )
-            # Global-view jit has no per-rank gradient to replace: its reference is pmap's.
-            where = "pmap" if front_end == "jit" else front_end
-            acc_refs = cached("accidental", accidental, R, where)([params] * 2, v1_batch)
-            for k, spec_name in enumerate(("rank_mean", "microbatch_mean")):
+                    err = rel_err(got.grads, _np(ref.grads))
+                    records.append(record(spec_name, f"{s}-{coll}", err=err, same=same, want=want))
+            acc_refs = sweep_of("accidental", R, ())([params] * 2, v1_batch)
+            for spec_name, acc in zip(local_names, acc_refs, strict=True):
                 for s, coll in variants:
-                    got = outs[i]
-                    i += 1
-                    # The accidental path takes each local mean and then pmean (a division
-                    # by n then by R); the spec scales each sum by s / (K D) once: same
+                    # The accidental path takes each local mean and then pmean (a division by
+                    # n, then by R); the spec scales each sum by s / (K D) once: the same
                     # weights, other roundings.
-                    err = rel_err(got.grads, _np(acc_refs[k].grads))
-                    records.append(
-                        _record(
-                            "v1", front_end, name, spec_name, f"{s}-{coll}", R, M, err, False, RTOL
-                        )
-                    )
+                    err = rel_err(next(outs).grads, _np(acc.grads))
+                    records.append(record(spec_name, f"{s}-{coll}", err=err, same=False, want=RTOL))
     return records
 
 
@@ -188,19 +181,11 @@ def _np(tree) -> dict:
     return {k: np.asarray(v, dtype=np.float64) for k, v in tree.items()}
 
 
-def _record(part, front_end, fixture, spec, variant, R, M, err, same, want) -> dict:
+def _record(part, front_end, fixture, spec, variant, *, R, M, err, same, want) -> dict:
     return {
-        "part": part,
-        "front_end": front_end,
-        "fixture": fixture,
-        "spec": spec,
-        "variant": variant,
-        "R": R,
-        "M": M,
-        "err": err,
-        "bitwise": bool(same),
-        "want": want,
-    }
+        "part": part, "front_end": front_end, "fixture": fixture, "spec": spec,
+        "variant": variant, "R": R, "M": M, "err": err, "bitwise": bool(same), "want": want,
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -275,3 +275,22 @@ def test_the_ready_made_update_steps_with_a_spec(front_end: str) -> None:
         # divided by lr |g| (|g| ~ 0.05 here) is ~3e-6 relative: 1e-4 admits it, and nothing
         # a wrong count could give (a group of 7 tokens counted as 6 is 17% off).
         assert np.max(np.abs(step - g)) / np.abs(g).max() <= 1e-4, key
+
+
+def test_an_update_whose_denominator_is_zero_adds_zero_not_nan() -> None:
+    """Every row sample-masked: D = 0 for zero_variance_excluded while the numerator (valid
+    tokens) is not empty; the update's gradient is exactly 0 in every strategy."""
+    jax_impl.require_devices(2)
+    fixture = builtin_fixture("rollouts")
+    arrays = {**_arrays(fixture), "sample_mask": np.zeros(8, int)}
+    batch = lay_out_spec_batch(arrays, 2, 2, vocab_size=fixture.vocab_size)
+    params = jax_impl.params_from_numpy(fixture.params(), "float32")
+    opt, variants = optax.sgd(0.1), (("precount", "pmean"), ("postnorm", "psum"))
+    configs = [spec_step_config("zero_variance_excluded", opt, strategy=s, collective=c)
+               for s, c in variants]  # fmt: skip
+    outs = jax_impl.make_pmap_sweep(configs, 2)([params] * 2, batch)
+    outs += jax_impl.make_global_sweep(configs[1:], jax_impl.data_mesh(2))([params], batch)
+    for out in outs:
+        assert float(out.global_denominator) == 0.0 and float(out.loss) == 0.0
+        for g in out.grads.values():
+            assert np.all(np.asarray(g) == 0), "a unit with D = 0 must add exactly 0"
