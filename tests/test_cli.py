@@ -33,7 +33,16 @@ def test_oracle_run_writes_the_documented_json_and_exits_zero(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["ok"] is True
     assert len(payload["results"]) > 100
-    assert {r["check"] for r in payload["results"]} == {"layout-invariance", "clipping"}
+    assert {r["check"] for r in payload["results"]} == {
+        "layout-invariance",
+        "clipping",
+        "term-layout",
+    }
+    terms = [r for r in payload["results"] if r["check"] == "term-layout"]
+    update_scope = [r for r in terms if r["extra"]["expected"] == "invariant"]
+    assert update_scope and max(r["max_rel_err"] for r in update_scope) <= 1e-12
+    local_lb = [r for r in terms if r["scheme"] == "aux-local/moe_lb"]
+    assert max(r["max_rel_err"] for r in local_lb) > 0.1  # micro-batch balancing moves
     for row in payload["results"]:
         assert set(row) >= RESULT_KEYS
         assert isinstance(row["max_rel_err"], float) and row["ok"] is True

@@ -206,3 +206,18 @@ def test_slugs_follow_github() -> None:
         "3-sensitivity-the-smallest-skew-a-case-detects"
     )
     assert slug("Why s = R") == "why-s--r"
+
+
+def test_the_readme_worked_example_of_auxiliary_terms_is_what_the_example_prints():
+    """The README's numbers come from the oracle: rerun the example and compare the text."""
+    import subprocess
+    import sys
+
+    printed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "aux_terms.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout.strip()
+    assert f"```\n{printed}\n```" in (ROOT / "README.md").read_text()

@@ -25,7 +25,8 @@ import crosscheck.run.matrix as matrix
 from crosscheck.cli.commands import main
 from crosscheck.cli.report import summary_line, write_json
 from crosscheck.contract.cases import Case, SkippedCase
-from crosscheck.contract.schemes import SCHEMES, get_scheme
+from crosscheck.contract.schemes import SCHEMES
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.run import jax_runner, torch_runner
 from crosscheck.run.implementations import IMPLEMENTATIONS
 from crosscheck.run.matrix import NEVER_REPORTED, run_matrix
@@ -152,12 +153,16 @@ def test_the_default_plan_builds_and_lists_every_skip_with_its_reason():
     build = plan.build()  # not refused: its skips are the product's, not asked for
     assert build.cases == plan.cases()
     # Nothing dropped: every combination of the product either runs or is listed, once.
+    # The product: fixtures x schemes, and contract v2's spec_fixtures x spec_schemes.
+    assert plan.spec_modes and len(plan.pairs()) == len(plan.fixtures) * len(plan.schemes) + len(
+        plan.spec_fixtures
+    ) * len(plan.spec_schemes)
     product = sum(
         len(plan.wanted_layouts())
-        * sum(len(plan.strategies) if get_scheme(s).intended else 1 for s in plan.schemes)
+        * (len(plan.strategies) if resolve_scheme(s).intended else 1)
         * len(plan.dtypes)
         for impl in IMPLEMENTATIONS
-        for fixture in plan.fixtures
+        for _, s in plan.pairs()
     )
     vs_oracle = [s for s in build.skipped if s.check == "vs-oracle"]
     assert len(build.cases) + len(vs_oracle) == product

@@ -17,16 +17,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from spec_reader import spec_weights
 
 from crosscheck.contract.cases import TrainSettings
 from crosscheck.contract.schemes import SCHEMES
-from crosscheck.fixtures.vectors import MANIFEST_NAME, ExportDirectoryError, export_vectors
+from crosscheck.fixtures.vectors import (
+    MANIFEST_NAME,
+    MODE_FIXTURES,
+    ExportDirectoryError,
+    export_vectors,
+    mode_references,
+)
 from crosscheck.run.matrix import run_matrix
 from crosscheck.run.plan import Plan
 
 RTOL = 1e-12
 IGNORE = -100
 FIXTURE_KEYS = {"inputs", "targets", "segment_ids", "weights", "embed", "unembed"}
+OPTIONAL_FIXTURE_KEYS = {"group_ids", "document_ids", "row_weights", "sample_mask"}
 VECTOR_KEYS = {
     "loss",
     "denominator",
@@ -87,14 +95,18 @@ def test_manifest_lists_every_file_and_documents_every_key(exported):
     assert on_disk == {*listed, MANIFEST_NAME}
     assert {p.relative_to(directory).as_posix() for p in result.files} == on_disk
     assert result.num_bytes == sum((directory / p).stat().st_size for p in on_disk)
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
+    assert set(manifest["keys"]["fixture_optional"]) == OPTIONAL_FIXTURE_KEYS
     sizes = {r["name"]: r["sizes"] for r in manifest["fixtures"]}
+    optional_seen = set()
     for kind, records, keys in (
         ("fixture", manifest["fixtures"], FIXTURE_KEYS),
         ("expected", manifest["vectors"], VECTOR_KEYS),
     ):
         docs = manifest["keys"][kind]
         assert set(docs) == keys
+        if kind == "fixture":
+            docs = {**docs, **manifest["keys"]["fixture_optional"]}
         assert all(
             doc["meaning"] and doc["symbolic_shape"] and doc["dtype"] for doc in docs.values()
         )
@@ -103,7 +115,9 @@ def test_manifest_lists_every_file_and_documents_every_key(exported):
             assert record["bytes"] == len(data)
             assert record["sha256"] == hashlib.sha256(data).hexdigest()
             arrays = _load(directory / record["path"])
-            assert set(arrays) == set(record["keys"]) == keys, record["path"]
+            assert set(arrays) == set(record["keys"]), record["path"]
+            assert keys <= set(arrays) <= keys | OPTIONAL_FIXTURE_KEYS, record["path"]
+            optional_seen |= set(arrays) - keys
             dims = sizes[record.get("fixture", record.get("name"))]
             for key, entry in record["keys"].items():
                 symbolic = docs[key]["symbolic_shape"]
@@ -112,14 +126,20 @@ def test_manifest_lists_every_file_and_documents_every_key(exported):
                 assert entry["shape"] == [dims[s] for s in re.findall(r"[A-Z]", symbolic)]
                 assert arrays[key].dtype.str == entry["dtype"]
                 assert np.dtype(entry["dtype"]) == np.dtype(docs[key]["dtype"])
+    assert optional_seen == OPTIONAL_FIXTURE_KEYS  # the v2 fixtures carry every one
 
 
 def test_manifest_covers_every_fixture_scheme_and_layout(exported):
     _, _, manifest = exported
-    assert set(manifest["schemes"]) == set(SCHEMES)
+    modes = mode_references()
+    assert set(manifest["schemes"]) == set(SCHEMES) | set(modes)
     for name, scheme in manifest["schemes"].items():
-        assert scheme["a_t"] and scheme["d"] and scheme["D"] and scheme["definition"], name
-        assert scheme["intended"] == SCHEMES[name].intended
+        assert scheme["definition"] and scheme["spec"], name
+        if name in SCHEMES:
+            assert scheme["a_t"] and scheme["d"] and scheme["D"], name
+            assert scheme["intended"] == SCHEMES[name].intended
+        else:
+            assert scheme["intended"], name  # every exported trainer mode is layout invariant
     for word in ("logits", "per_token_loss", "loss", "grad_unembed", "grad_embed"):
         assert manifest["model"][word]
     assert manifest["model"]["ignore_index"] == IGNORE
@@ -130,7 +150,8 @@ def test_manifest_covers_every_fixture_scheme_and_layout(exported):
             (R, M) for R in range(1, 9) for M in range(1, 5) if R * M <= 8 and N % (R * M) == 0
         }
         assert {tuple(layout) for layout in record["layouts"]} == layouts
-        expected |= {(record["name"], s, R, M) for s in SCHEMES for R, M in layouts}
+        schemes = [*SCHEMES, *(modes if record["name"] in MODE_FIXTURES else ())]
+        expected |= {(record["name"], s, R, M) for s in schemes for R, M in layouts}
     seen = set()
     for v in manifest["vectors"]:
         assert v["path"] == f"expected/{v['fixture']}/{v['scheme']}/R{v['R']}_M{v['M']}.npz"
@@ -215,12 +236,17 @@ def _scheme_weights(fx: dict[str, np.ndarray], scheme: str, R: int, M: int):
 
 def test_scheme_definitions_reproduce_every_token_weight_and_denominator(exported):
     directory, _, manifest = exported
+    checked = 0
     for fx, vectors in _by_fixture(directory, manifest).values():
         for record in vectors:
             v = _load(directory / record["path"])
+            if record["scheme"] not in SCHEMES:
+                continue  # a trainer mode: read from its spec in the next test
+            checked += 1
             c, D = _scheme_weights(fx, record["scheme"], record["R"], record["M"])
             assert abs(D - float(v["denominator"])) <= RTOL * abs(D), record["path"]
             assert _rel_err(c, v["token_weights"]) <= RTOL, record["path"]
+    assert checked == sum(v["scheme"] in SCHEMES for v in manifest["vectors"])
 
 
 def test_independent_adamw_step_reproduces_every_update(exported):
@@ -277,3 +303,20 @@ def test_the_api_refuses_a_non_empty_directory_before_writing_anything(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["results.csv"]
     with pytest.raises(ExportDirectoryError, match="is a file, not a directory"):
         export_vectors(tmp_path / "results.csv", force=True)
+
+
+def test_every_trainer_mode_is_reproduced_from_its_spec_in_the_manifest(exported):
+    directory, _, manifest = exported
+    checked = 0
+    for fx, vectors in _by_fixture(directory, manifest).values():
+        for record in vectors:
+            if record["scheme"] in SCHEMES:
+                continue
+            v = _load(directory / record["path"])
+            spec = manifest["schemes"][record["scheme"]]["spec"]
+            c, (D,) = spec_weights(fx, spec, record["R"], record["M"])
+            # counts are exact; a weight or power sum rounds a few times, well inside RTOL
+            assert abs(D - float(v["denominator"])) <= RTOL * abs(D), record["path"]
+            assert _rel_err(c, v["token_weights"]) <= RTOL, record["path"]
+            checked += 1
+    assert checked == sum(v["scheme"] not in SCHEMES for v in manifest["vectors"]) > 300

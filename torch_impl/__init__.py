@@ -11,7 +11,10 @@ and a launcher that runs R real gloo processes with bounded waits. Atomic per-ra
 size. The params may be float64, float32 or bfloat16; every count, d, D, weight sum and logged
 loss sum stays float64 and the division by D is taken in float64 before the cast
 (``schemes.accumulation_dtype``). FSDP2 lives in ``torch_impl.fsdp`` (imported on demand: it
-pulls in DTensor). Written independently of the numpy oracle and of jax_impl.
+pulls in DTensor). Scheme specs (contract v2, docs/schemes-as-data.md) are read by
+``torch_impl.spec`` and run by ``torch_impl.spec_update`` with a count pre-pass for groups and
+documents that span ranks (``torch_impl.spec_counts``). Written independently of the numpy
+oracle and of jax_impl.
 """
 
 from torch_impl.batch import IGNORE_INDEX, BatchError, TokenBatch, rank_microbatches
@@ -26,6 +29,13 @@ from torch_impl.partial import PartialAccumulation
 from torch_impl.probe import ReductionPath, probe_ddp, probe_reduction
 from torch_impl.resume import load_checkpoint, restore
 from torch_impl.schemes import SCHEMES, MicrobatchLoss, WeightingScheme, get_scheme, microbatch_loss
+from torch_impl.spec import SchemeSpec, get_spec, parse_spec
+from torch_impl.spec_update import (
+    SpecAccumulated,
+    accumulate_spec_postnorm,
+    accumulate_spec_precount,
+    layout_weights,
+)
 from torch_impl.update import accumulate_partial, accumulate_postnorm, accumulate_precount
 
 __all__ = [
@@ -41,6 +51,8 @@ __all__ = [
     "PostnormState",
     "RankFailedError",
     "ReductionPath",
+    "SchemeSpec",
+    "SpecAccumulated",
     "TokenBatch",
     "UpdateMetrics",
     "WeightingScheme",
@@ -48,13 +60,18 @@ __all__ = [
     "accumulate_partial",
     "accumulate_postnorm",
     "accumulate_precount",
+    "accumulate_spec_postnorm",
+    "accumulate_spec_precount",
     "clip_and_step",
     "get_scheme",
+    "get_spec",
     "latest_checkpoint",
     "launch",
+    "layout_weights",
     "load_checkpoint",
     "make_optimizer",
     "microbatch_loss",
+    "parse_spec",
     "probe_ddp",
     "probe_reduction",
     "rank_microbatches",

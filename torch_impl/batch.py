@@ -20,6 +20,11 @@ IGNORE_INDEX = -100
 """Target of a token without a loss: the default ``ignore_index`` of ``F.cross_entropy``."""
 
 BATCH_KEYS: tuple[str, ...] = ("inputs", "targets", "segment_ids", "weights")
+#: Contract v2's optional per-row / per-token fields (docs/schemes-as-data.md): ``group_ids``
+#: [N] int (a row's prompt group), ``document_ids`` [N, T] int (0 = padding; a document may
+#: continue across rows), ``row_weights`` [N] float (any sign), ``sample_mask`` [N] 0/1.
+ROW_KEYS: tuple[str, ...] = ("group_ids", "row_weights", "sample_mask")
+OPTIONAL_KEYS: tuple[str, ...] = ("group_ids", "document_ids", "row_weights", "sample_mask")
 
 
 class BatchError(ValueError):
@@ -75,6 +80,11 @@ class TokenBatch(NamedTuple):
     microbatch: int = 0
     #: Global row index of this microbatch's first row (for error messages).
     first_row: int = 0
+    #: Contract v2's optional fields (None: the doc's default, see ``torch_impl.spec_counts``).
+    group_ids: torch.Tensor | None = None  # [B] integer
+    document_ids: torch.Tensor | None = None  # [B, T] integer, 0 = padding
+    row_weights: torch.Tensor | None = None  # [B] float, any sign
+    sample_mask: torch.Tensor | None = None  # [B] 0/1
 
     @property
     def valid(self) -> torch.Tensor:
@@ -130,7 +140,52 @@ class TokenBatch(NamedTuple):
             ~torch.isfinite(self.weights) | (self.weights < 0),
             lambda r, t: f"weight {float(self.weights[r, t])!r} must be finite and >= 0",
         )
+        self._validate_optional()
         return self
+
+    def _validate_optional(self) -> None:
+        """The optional v2 fields, when present: shapes, dtypes, then values."""
+        rows = self.targets.shape[:1]
+        for key in OPTIONAL_KEYS:
+            value = getattr(self, key)
+            want = self.targets.shape if key == "document_ids" else rows
+            if value is not None and value.shape != want:
+                raise BatchError(
+                    f"{self.where}: {key} has shape {tuple(value.shape)}, expected {tuple(want)}"
+                )
+        for key in ("group_ids", "document_ids"):
+            value = getattr(self, key)
+            problem = None if value is None else _tensor_not_ids(key, value)
+            if problem is not None:
+                raise BatchError(f"{self.where}: {problem}")
+        if self.group_ids is not None:
+            self._check(
+                (self.group_ids < 0)[:, None].expand_as(self.targets),
+                lambda r, t: f"group id {int(self.group_ids[r])} is negative",
+            )
+        if self.document_ids is not None:
+            self._check(
+                self.document_ids < 0,
+                lambda r, t: f"document id {int(self.document_ids[r, t])} is negative",
+            )
+            self._check(
+                self.valid & (self.document_ids == 0),
+                lambda r, t: "valid target in document 0 (padding)",
+            )
+        if self.row_weights is not None:
+            if not self.row_weights.is_floating_point():
+                raise BatchError(f"{self.where}: row_weights must be floating point")
+            self._check(
+                (~torch.isfinite(self.row_weights))[:, None].expand_as(self.targets),
+                lambda r, t: f"row weight {float(self.row_weights[r])!r} must be finite",
+            )
+        if self.sample_mask is not None:
+            self._check(
+                ((self.sample_mask != 0) & (self.sample_mask != 1))[:, None].expand_as(
+                    self.targets
+                ),
+                lambda r, t: f"sample_mask {float(self.sample_mask[r])!r} must be 0 or 1",
+            )
 
     def _check(self, bad: torch.Tensor, message: Callable[[int, int], str]) -> None:
         if bool(bad.any()):
@@ -167,7 +222,12 @@ def rank_microbatches(
     out = []
     for step in range(accum_steps):
         start = (rank * accum_steps + step) * rows
-        part = {key: arrays[key][start : start + rows] for key in BATCH_KEYS}
+        part = {key: array[start : start + rows] for key, array in arrays.items()}
+        optional = {
+            key: torch.tensor(part[key], dtype=_OPTIONAL_DTYPES[key])
+            for key in OPTIONAL_KEYS
+            if key in part
+        }
         out.append(
             TokenBatch(
                 inputs=torch.tensor(part["inputs"], dtype=torch.long),
@@ -177,9 +237,18 @@ def rank_microbatches(
                 rank=rank,
                 microbatch=step,
                 first_row=start,
+                **optional,
             )
         )
     return out
+
+
+_OPTIONAL_DTYPES = {
+    "group_ids": torch.long,
+    "document_ids": torch.long,
+    "row_weights": torch.float64,
+    "sample_mask": torch.float64,
+}
 
 
 def _checked_arrays(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -205,4 +274,17 @@ def _checked_arrays(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             f"weights must be floating point (soft per-token weights), got "
             f"{arrays['weights'].dtype}; cast it with .astype(np.float64)"
         )
+    for key in OPTIONAL_KEYS:
+        if batch.get(key) is None:
+            continue
+        array = np.asarray(batch[key])
+        want = shape if key == "document_ids" else shape[:1]
+        if array.shape != want:
+            raise BatchError(f"{key} has shape {array.shape}, expected {want}")
+        if key in ("group_ids", "document_ids"):
+            if not np.issubdtype(array.dtype, np.integer):
+                raise BatchError(f"{key} must be integers, got {array.dtype}")
+        elif not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+            raise BatchError(f"{key} must be numbers, got {array.dtype}")
+        arrays[key] = array
     return arrays

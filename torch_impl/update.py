@@ -134,7 +134,7 @@ def _precount_counts(
     return dataclasses.replace(start, rank_counts=counts), D
 
 
-def _backward_microbatches(
+def backward_microbatches(
     model: nn.Module,
     microbatches: Sequence[TokenBatch],
     scheme: WeightingScheme,
@@ -225,7 +225,7 @@ def accumulate_precount(
     start, D = _precount_counts(microbatches, scheme, start, group)
     # s / D in float64, never in the params' dtype: D past 2^24 (or 256 in bf16) would round.
     scale = over_or_zero(reduce_factor, D)
-    done = _backward_microbatches(model, microbatches, scheme, vocab_size, start, scale=scale)
+    done = backward_microbatches(model, microbatches, scheme, vocab_size, start, scale=scale)
     # Metrics only (the objective's value); a loop that does not log it can skip this.
     loss_sums = tuple(v for (v,) in all_ranks_values([done.local_loss_sum], group=group))
     return Accumulated(
@@ -255,14 +255,14 @@ def accumulate_postnorm(
     """
     precheck(microbatches, vocab_size, hook_state.process_group, precheck_timeout_s)
     start = starting_point(resume, "postnorm", len(microbatches))
-    _backward_microbatches(model, microbatches, scheme, vocab_size, start, hook_state=hook_state)
+    backward_microbatches(model, microbatches, scheme, vocab_size, start, hook_state=hook_state)
     per_rank = hook_state.take()
     denominators = tuple(d for d, _, _ in per_rank)
     D = global_denominator(scheme, list(denominators))
     with torch.no_grad():
         for param in _parameters(model):
             if param.grad is not None:
-                _divide_exactly(param.grad, D)
+                divide_exactly(param.grad, D)
     return Accumulated(
         rank_valid_tokens=tuple(int(n) for _, _, n in per_rank),
         rank_loss_sums=tuple(s for _, s, _ in per_rank),
@@ -271,7 +271,7 @@ def accumulate_postnorm(
     )
 
 
-def _divide_exactly(grad: torch.Tensor, D: float) -> None:
+def divide_exactly(grad: torch.Tensor, D: float) -> None:
     """grad <- grad / D, the quotient taken in ``accumulation_dtype`` and then cast, in place.
 
     Not ``grad.div_(D)``: for a float32 gradient torch casts the Python scalar D to float32
@@ -330,6 +330,6 @@ def accumulate_partial(
         scale = over_or_zero(reduce_factor, D)
     elif strategy != "postnorm":
         raise ValueError(f"strategy must be 'precount' or 'postnorm', got {strategy!r}")
-    return _backward_microbatches(
+    return backward_microbatches(
         model, microbatches, scheme, vocab_size, start, stop=num_microbatches, scale=scale
     )

@@ -80,6 +80,9 @@ def _plan(args: argparse.Namespace) -> Plan:
     plan = Plan(
         world_size_change=not args.no_world_size_change,
         resume=not args.no_resume,
+        # None: on unless the run is narrowed to fixtures or schemes (Plan.__post_init__).
+        objectives=False if args.no_objectives else None,
+        spec_modes=False if args.no_spec_modes else None,
         explicit=frozenset(given),
         **given,
     )
@@ -138,7 +141,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             args.json, result.rows, wall, {"plan": _plan_record(plan)}, skipped=result.skipped
         )
     if args.log is not None:
-        count = write_update_log(args.log, result.metrics())
+        count = write_update_log(args.log, result.metrics(), result.term_logs)
         console.print(f"wrote {count} per-update records to {args.log}")
     if args.plot is not None:
         fixture = builtin_fixture(plan.fixtures[0])
@@ -163,6 +166,8 @@ def _plan_record(plan: Plan) -> dict:
         "dtypes": plan.dtypes,
         "world_size_change": plan.world_size_change,
         "resume": plan.resume,
+        "objectives": plan.objectives,
+        "spec_modes": plan.spec_modes,
         # The lists named on the command line: their values must each run in some case.
         "explicit": sorted(plan.explicit),
     }

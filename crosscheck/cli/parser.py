@@ -81,6 +81,16 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         help="skip the (1,4), (2,2), (4,1) world-size-change rows",
     )
     run.add_argument("--no-resume", action="store_true", help="skip the checkpoint-resume rows")
+    run.add_argument(
+        "--no-spec-modes",
+        action="store_true",
+        help="skip the trainer modes on v2's fixtures (off anyway with --fixture or --schemes)",
+    )
+    run.add_argument(
+        "--no-objectives",
+        action="store_true",
+        help="skip the multi-term objective rows (off anyway with --fixture or --schemes)",
+    )
     run.add_argument("--rows", choices=("group", "case"), default="group")
     run.add_argument("--json", type=Path, help="write every row as JSON here")
     run.add_argument("--log", type=Path, help="write per-rank per-update metrics as JSONL here")

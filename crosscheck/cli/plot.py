@@ -17,7 +17,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
-from crosscheck.contract.schemes import effective_weights, get_scheme
+from crosscheck.contract.schemes import effective_weights
+from crosscheck.contract.spec_scheme import resolve_scheme
 
 SCHEME_STYLES = {
     "token_mean": {"color": "tab:green", "linewidth": 2.5},
@@ -61,7 +62,7 @@ def plot_effective_weights(
         )
     for name in schemes:
         weights = effective_weights(name, batch).ravel()[valid]
-        kind = "intended" if get_scheme(name).intended else "accidental"
+        kind = "intended" if resolve_scheme(name).intended else "accidental"
         ax.step(x, weights, where="mid", label=f"{name} ({kind})", **SCHEME_STYLES.get(name, {}))
     ax.set_xlabel("valid target token, global order (shaded: rank / microbatch)")
     ax.set_ylabel("effective weight  a_t / D")

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from crosscheck import exit_codes
 from crosscheck.contract.cases import Case, CaseResult, RankMetrics, SkippedCase
-from crosscheck.contract.schemes import get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.judge.compare import RTOL_BY_DTYPE
 from crosscheck.launch.schedule import JobTiming
 
@@ -39,7 +39,17 @@ CHECK_TITLES = {
     "world-size-change": "world-size change: same global batch, R x M fixed, same update?",
     "resume": "checkpoint resume vs an uninterrupted run",
     "clipping": "clipping placement",
+    "objective": "multi-term objectives vs the oracle (every trained param, every term's D)",
+    "term-layout": "oracle: each term's gradient under each layout vs R=1, M=1",
 }
+
+
+def expects_a_move(row: CaseResult) -> bool:
+    """Whether the row's check is expected to move with the layout: an accidental scheme,
+    or a term normalized more locally than the update (`crosscheck.run.objectives`)."""
+    if row.check in ("objective", "term-layout"):
+        return row.extra.get("expected") == "layout-dependent"
+    return not resolve_scheme(row.scheme).intended
 
 
 def _verdict(rows: list[CaseResult]) -> str:
@@ -49,8 +59,8 @@ def _verdict(rows: list[CaseResult]) -> str:
     if failed:
         return "[red]FAIL[/]"
     if rows[0].check == "clipping" or (
-        rows[0].check in ("layout-invariance", "world-size-change")
-        and not get_scheme(rows[0].scheme).intended
+        rows[0].check in ("layout-invariance", "world-size-change", "term-layout")
+        and expects_a_move(rows[0])
     ):
         # An accidental scheme moves with the layout, except where the layouts compared split
         # the batch into the same microbatches (microbatch_mean at fixed R x M). Clipping per
@@ -74,6 +84,8 @@ GROUP_BY: dict[str, tuple[str, ...]] = {
     "world-size-change": ("scheme", "impl"),
     "resume": ("impl", "strategy"),
     "clipping": ("strategy",),
+    "objective": ("scheme", "impl"),
+    "term-layout": ("scheme",),
 }
 COLUMNS = ("fixture", "scheme", "impl", "strategy")
 PLURALS = {"fixture": "fixtures", "scheme": "schemes", "impl": "impls", "strategy": "strategies"}
@@ -248,7 +260,7 @@ def summary_line(
     """One line: rows, failures, the verdict, what the plan did not run and why, wall time."""
     failed = sum(not r.ok for r in rows)
     not_run = sum(not r.ok and r.not_run for r in rows)
-    accidental = sum(not get_scheme(r.scheme).intended for r in rows if r.ok)
+    accidental = sum(expects_a_move(r) for r in rows if r.ok)
     if not rows:
         verdict = "[red]FAILED: nothing was checked[/]"
     else:
@@ -256,7 +268,7 @@ def summary_line(
     could_not_run = f", {not_run} of them could not be run" if not_run else ""
     line = (
         f"{_rows(len(rows))}, {failed} failed{could_not_run} ({_rows(accidental)} of accidental "
-        f"schemes behaved as the accident predicts): {verdict}"
+        f"schemes and local terms behaved as predicted): {verdict}"
     )
     if skipped:
         reasons = skip_reasons(skipped)
@@ -286,11 +298,19 @@ def write_json(
     path.write_text(json.dumps(payload, indent=1, allow_nan=False) + "\n")
 
 
-def write_update_log(path: Path, metrics: Iterable[tuple[Case, RankMetrics]]) -> int:
-    """One JSON record per rank per update; returns the number of records."""
+def write_update_log(
+    path: Path,
+    metrics: Iterable[tuple[Case, RankMetrics]],
+    term_records: Iterable[dict[str, Any]] = (),
+) -> int:
+    """One JSON record per rank per update, then one per term of every objective case
+    (``"record": "term"``: its loss, count and denominators); returns the number of records."""
     count = 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as log:
+        for record in term_records:
+            log.write(json.dumps(record, allow_nan=False) + "\n")
+            count += 1
         for case, m in metrics:
             record = {
                 "impl": case.impl,

@@ -28,7 +28,8 @@ import numpy as np
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.layout import IGNORE_INDEX, LaidOutBatch
-from crosscheck.contract.schemes import Scheme, get_scheme
+from crosscheck.contract.schemes import Scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 
 Params = dict[str, np.ndarray]
 
@@ -131,7 +132,7 @@ def loss_and_grad(
     reported as R (rank_mean) or R M (microbatch_mean) and the unnormalized per-rank sums are
     those of the rank's own means.
     """
-    scheme = get_scheme(scheme)
+    scheme = resolve_scheme(scheme)
     params = fixture.params() if params is None else params
     batch = fixture.layout(world_size, accum_steps)
     weights = batch.to_global(scheme.effective_weights(batch))
@@ -171,5 +172,5 @@ def loss(
     """The objective alone (used by the finite-difference tests)."""
     params = fixture.params() if params is None else params
     batch = fixture.layout(world_size, accum_steps)
-    weights = batch.to_global(get_scheme(scheme).effective_weights(batch))
+    weights = batch.to_global(resolve_scheme(scheme).effective_weights(batch))
     return weighted_loss(params, fixture.inputs, fixture.targets, weights)

@@ -221,9 +221,12 @@ class SchemeSpec:
         if d.kind == "groups":
             return float(np.unique(keys[mask & inside]).size)
         if d.kind == "power_sum":
+            # One term per group and unit of the count scope: a group counted in two
+            # microbatches is two pieces in a_t, and so in D.
             counts = view.counts(d.group, self.weight.count_scope, mask)
             chosen = mask & inside
-            _, first = np.unique(keys[chosen], return_index=True)
+            pieces = np.stack([view.unit(self.weight.count_scope)[chosen], keys[chosen]], axis=1)
+            _, first = np.unique(pieces, axis=0, return_index=True)
             return math.fsum((counts[chosen][first] ** (-d.alpha)).tolist())
         rows = inside[..., 0]  # a unit holds whole rows
         if d.mask == "sample":

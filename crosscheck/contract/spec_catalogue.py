@@ -56,6 +56,28 @@ MODE_SPECS: dict[str, dict[str, Any]] = {
     "zero_variance_excluded": {"denominator": {"kind": "tokens", "mask": "sample"}},
 }
 
+#: Where each trainer mode comes from (docs/modes.md has the citations).
+MODE_ORIGINS: dict[str, str] = {
+    "all_rows_mean": "mean of row means over ALL rows, fully masked ones included (TRL grpo's "
+    "clamp(min=1), slime, SkyRL sequence_mean)",
+    "sample_rows_mean": "mean of row means over the rows with sample_mask = 1 (NeMo-RL)",
+    "group_token_mean": "mean over prompt groups of each group's token mean, groups spanning "
+    "ranks and microbatches (SkyRL prompt_mean, the DAPO group mean of verl#2776)",
+    "document_mean": "mean over documents of each document's token mean, documents "
+    "continuing across rows",
+    "nonzero_weight_mean": "weighted numerator over the count of tokens with a nonzero weight "
+    "(prime-rl, ROLL)",
+    "signed_row_weight_mean": "signed per-sample weights times row means over the sum of "
+    "|weights| (TRL weighted_nll, trl#5952)",
+    "zero_variance_excluded": "every token in the numerator, only sampled rows' tokens in the "
+    "denominator (TRL dapo_zv)",
+    "configured_rows_mean": "mean of row means over a configured number of rows (verl "
+    "seq-mean-token-mean, ppo_mini_batch_size x n)",
+    "configured_rows_sum": "token sum over a configured number of rows (verl seq-mean-token-sum)",
+    "length_power": "length-power weights n_row^-alpha over their sum (Delta-L normalization, "
+    "arXiv 2509.07558)",
+}
+
 #: Modes with a parameter: name -> (what the parameter is, its default, the spec it makes).
 PARAMETRIC_SPECS = {
     "configured_rows_mean": (

@@ -17,14 +17,14 @@ from crosscheck.contract.cases import CaseResult
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.optimizers import clip_by_global_norm, global_norm
 from crosscheck.contract.oracle import weighted_grad
-from crosscheck.contract.schemes import get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
 
 
 def microbatch_gradients(fixture: Fixture, scheme: str, R: int, M: int) -> list[dict]:
     """g_rm for every microbatch: the gradient of its tokens' share of the objective."""
     batch = fixture.layout(R, M)
-    weights = get_scheme(scheme).effective_weights(batch)
+    weights = resolve_scheme(scheme).effective_weights(batch)
     params = fixture.params()
     return [
         weighted_grad(params, mb.inputs, mb.targets, weights[r, m])

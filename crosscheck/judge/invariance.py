@@ -13,7 +13,7 @@ import numpy as np
 from crosscheck.contract.cases import CaseResult, oracle_case
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad
-from crosscheck.contract.schemes import get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
 
 
@@ -29,7 +29,7 @@ def layout_invariance(
     fixture: Fixture, scheme_name: str, layouts: list[tuple[int, int]]
 ) -> list[CaseResult]:
     """The oracle gradient at each layout against the single-device gradient at (1, 1)."""
-    scheme = get_scheme(scheme_name)
+    scheme = resolve_scheme(scheme_name)
     reference = loss_and_grad(fixture, scheme, 1, 1).grads
     rows = []
     for R, M in layouts:

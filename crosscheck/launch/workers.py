@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from crosscheck.contract.fixture import BATCH_KEYS
+from crosscheck.contract.fixture import PARAM_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 
 if TYPE_CHECKING:
@@ -236,7 +236,9 @@ def launch_arrays(fixture_name: str) -> tuple[dict[str, np.ndarray], dict[str, n
     read-only arrays, not copies, so that pickle sends an array shared by several items of one
     launch once."""
     fixture = builtin_fixture(fixture_name)
-    batch = {key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS}
+    # The batch, and contract v2's fields where the fixture gives them (group_ids, ...).
+    arrays = fixture.npz_arrays()
+    batch = {key: np.asarray(value) for key, value in arrays.items() if key not in PARAM_KEYS}
     params = {"embed": np.asarray(fixture.embed), "unembed": np.asarray(fixture.unembed)}
     return batch, params
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
+from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
 from crosscheck.launch.workers import jax_launch, jax_worker_env, worker_zygote
@@ -46,6 +47,8 @@ def why_unsupported(case: Case) -> str:
     without the case's coordinates: the harness groups skips by it."""
     if case.dtype not in DTYPES:
         return f"the JAX reference runs {', '.join(DTYPES)}, not {case.dtype}"
+    if case.scheme not in V1_SCHEMES:
+        return "the JAX matrix runs v1's schemes by name; trainer modes run in torch"
     accidental = case.scheme in ("rank_mean", "microbatch_mean")
     if case.impl == "jax-multiprocess":
         if case.world_size not in MULTIPROCESS_SIZES:

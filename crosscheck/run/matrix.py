@@ -34,7 +34,19 @@ from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.clipping import clip_placement
 from crosscheck.judge.invariance import layout_invariance
 from crosscheck.launch.schedule import Job, JobTiming, run_jobs
+from crosscheck.run import objective_jax, objective_torch
 from crosscheck.run.implementations import framework_of, runner_for
+from crosscheck.run.objectives import (
+    OBJECTIVE_FIXTURES,
+    OBJECTIVE_LAYOUTS,
+    OBJECTIVES,
+    ObjectiveCase,
+    ObjectiveOutput,
+    compare_objective,
+    objective_cases,
+    term_layout_rows,
+    term_log_records,
+)
 from crosscheck.run.plan import WORLD_SIZE_CHANGE_FAMILY, Plan
 from crosscheck.run.resume import resume_jobs, resume_row
 from crosscheck.run.rows import (
@@ -49,6 +61,9 @@ from crosscheck.run.rows import (
 #: where both placements must agree.
 CLIP_THRESHOLDS: tuple[float, ...] = (0.15, 1.0)
 
+#: The implementations that compute the multi-term objectives (`crosscheck.run.objectives`).
+OBJECTIVE_IMPLS: tuple[str, ...] = (objective_jax.IMPL, objective_torch.IMPL)
+
 #: The detail of a failing row for work that was planned and never came back.
 NEVER_REPORTED = "planned but never reported: no output and no error came back for it"
 
@@ -60,6 +75,8 @@ class MatrixRun:
     timings: list[JobTiming] = field(default_factory=list)
     #: What the plan's product names but does not run, and why.
     skipped: list[SkippedCase] = field(default_factory=list)
+    #: Per term of every objective case: loss, count and denominators (the update log).
+    term_logs: list[dict] = field(default_factory=list)
 
     def metrics(self) -> list[tuple[Case, RankMetrics]]:
         return [(case, m) for case, out in sorted(self.outputs.items()) for m in out.metrics]
@@ -117,13 +134,36 @@ def run_matrix(
         for job in runner_for(framework).jobs(group, plan.settings.for_dtype(dtype), on_done)
     ]
     jobs += resume_jobs(build.resume_cases, plan.settings, on_resume_row)
+    objective_rows: list[CaseResult] = []
+    term_logs: list[dict] = []
+    # The objectives are float64 (the oracle's closed form is their reference).
+    objectives = plan.objectives and "float64" in plan.dtypes
+    planned_objectives = (
+        objective_cases([i for i in plan.impls if i in OBJECTIVE_IMPLS]) if objectives else []
+    )
+
+    def on_objective(case: ObjectiveCase, output: ObjectiveOutput | BaseException) -> None:
+        try:
+            row = compare_objective(case, output)
+        except Exception as error:  # an output that cannot be compared fails its own row
+            row = compare_objective(case, error)
+            output = error
+        with lock:
+            objective_rows.append(row)
+            if not isinstance(output, BaseException):
+                term_logs.extend(term_log_records(case, output))
+
+    for runner in (objective_jax, objective_torch):
+        jobs += runner.jobs([c for c in planned_objectives if c.impl == runner.IMPL], on_objective)
     oracle_rows: list[CaseResult] = []
     oracle_errors: list[BaseException] = []
-    if build.oracle_layouts:
+    if build.oracle_layouts or (objectives and "oracle" in plan.impls):
 
         def oracle_job() -> None:
             try:
                 oracle_rows.extend(_oracle_rows(plan, build.oracle_layouts))
+                if objectives:
+                    oracle_rows.extend(term_layout_rows(list(OBJECTIVES), OBJECTIVE_FIXTURES))
             except Exception as error:  # its rows fail below, by name, with this error
                 oracle_errors.append(error)
 
@@ -141,13 +181,30 @@ def run_matrix(
         else NEVER_REPORTED
     )
     oracle_rows += _missing_oracle_rows(plan, build.oracle_layouts, oracle_rows, oracle_detail)
+    if objectives and "oracle" in plan.impls:
+        oracle_rows += _missing_term_layout_rows(oracle_rows, oracle_detail)
     resume_rows += _missing_resume_rows(build.resume_cases, resume_rows)
     rows[:0] = oracle_rows
+    reported_objectives = {
+        (r.impl, r.scheme, r.fixture, r.world_size, r.accum_steps) for r in objective_rows
+    }
+    objective_rows += [
+        compare_objective(case, RuntimeError(NEVER_REPORTED))
+        for case in planned_objectives
+        if tuple(case) not in reported_objectives
+    ]
+    rows.extend(objective_rows)
     rows.extend(resume_rows)
     rows.extend(cross_implementation(outputs))
     if plan.world_size_change:
         rows.extend(world_size_change(outputs, [WORLD_SIZE_CHANGE_FAMILY]))
-    return MatrixRun(rows=rows, outputs=outputs, timings=timings, skipped=build.skipped)
+    return MatrixRun(
+        rows=rows,
+        outputs=outputs,
+        timings=timings,
+        skipped=build.skipped,
+        term_logs=term_logs,
+    )
 
 
 def _judge(case: Case, result: CaseOutput | BaseException, settings: TrainSettings) -> CaseResult:
@@ -163,8 +220,9 @@ def _judge(case: Case, result: CaseOutput | BaseException, settings: TrainSettin
 def _oracle_rows(plan: Plan, layouts: dict[str, list[tuple[int, int]]]) -> list[CaseResult]:
     """Layout invariance of every scheme and clip placement, from the oracle alone."""
     rows: list[CaseResult] = []
+    schemes = plan.schemes_by_fixture()
     for fixture, fixture_layouts in layouts.items():
-        for scheme in plan.schemes:
+        for scheme in schemes[fixture]:
             rows.extend(layout_invariance(builtin_fixture(fixture), scheme, fixture_layouts))
         for max_norm in CLIP_THRESHOLDS:
             rows.extend(
@@ -190,9 +248,10 @@ def _missing_oracle_rows(
     Counted by (check, fixture, scheme, R, M): a clipping row per threshold at every layout
     of more than one microbatch, a layout-invariance row per scheme at every layout."""
     expected: Counter[tuple] = Counter()
+    schemes = plan.schemes_by_fixture()
     for fixture, fixture_layouts in layouts.items():
         for R, M in fixture_layouts:
-            for scheme in plan.schemes:
+            for scheme in schemes[fixture]:
                 expected[_oracle_key("layout-invariance", fixture, scheme, R, M)] += 1
             if R * M > 1:
                 expected[_oracle_key("clipping", fixture, "token_mean", R, M)] += len(
@@ -221,6 +280,34 @@ def _missing_oracle_rows(
             )
         ] * count
     return missing
+
+
+def _missing_term_layout_rows(rows: list[CaseResult], detail: str) -> list[CaseResult]:
+    """One failing row for every objective whose term-layout rows did not all come back."""
+    expected = {
+        objective: len(OBJECTIVE_FIXTURES) * len(terms) * len(OBJECTIVE_LAYOUTS)
+        for objective, terms in OBJECTIVES.items()
+    }
+    got = Counter(r.scheme.partition("/")[0] for r in rows if r.check == "term-layout")
+    return [
+        CaseResult(
+            check="term-layout",
+            fixture=", ".join(OBJECTIVE_FIXTURES),
+            scheme=objective,
+            impl="oracle",
+            strategy="closed-form",
+            world_size=0,
+            accum_steps=0,
+            dtype="float64",
+            max_rel_err=float("inf"),
+            ok=False,
+            reference="oracle",
+            detail=f"{count - got[objective]} of {count} rows missing: {detail}",
+            not_run=True,
+        )
+        for objective, count in expected.items()
+        if got[objective] != count
+    ]
 
 
 ROW_KEY = ("check", "impl", "fixture", "scheme", "strategy", "world_size", "accum_steps", "dtype")

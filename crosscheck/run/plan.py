@@ -9,8 +9,7 @@ explicitly (`Plan.explicit`) runs in no case: a run never passes having checked 
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from crosscheck.contract.cases import (
@@ -22,31 +21,25 @@ from crosscheck.contract.cases import (
     case_grid,
     oracle_case,
 )
-from crosscheck.contract.schemes import SCHEMES, get_scheme
-from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
+from crosscheck.contract.schemes import SCHEMES
+from crosscheck.contract.spec_catalogue import DEFAULT_PARAMETERS, MODE_SPECS
+from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, V2_FIXTURES, builtin_fixture
 from crosscheck.run.implementations import (
     IMPLEMENTATIONS,
     framework_of,
     not_installed,
     why_unsupported,
 )
+from crosscheck.run.plan_refusal import (
+    DIMENSIONS,
+    WORLD_SIZE_CHANGE_FAMILY,
+    layout_reason,
+    refusal,
+)
 from crosscheck.run.resume import RESUME_RUNNERS, default_cases, starting_cases
 
-#: Layouts of the same global batch with R x M = 4: losing half the ranks and doubling the
-#: accumulation must not change an intended scheme's update.
-WORLD_SIZE_CHANGE_FAMILY: tuple[tuple[int, int], ...] = ((1, 4), (2, 2), (4, 1))
-
-#: The plan's lists a user can name, in the order a refusal reports them: list -> (the
-#: attribute of a case that holds one of its values, how a message names a value).
-DIMENSIONS: dict[str, tuple[str, str]] = {
-    "fixtures": ("fixture", "fixture {}"),
-    "impls": ("impl", "{}"),
-    "dtypes": ("dtype", "dtype {}"),
-    "strategies": ("strategy", "strategy {}"),
-    "schemes": ("scheme", "scheme {}"),
-    "world_sizes": ("world_size", "world size {}"),
-    "accum_steps": ("accum_steps", "accumulation steps {}"),
-}
+__all__ = ["DIMENSIONS", "WORLD_SIZE_CHANGE_FAMILY", "Plan", "PlanBuild", "PlanError"]
 
 
 class PlanError(ValueError):
@@ -64,11 +57,6 @@ class PlanBuild:
     skipped: list[SkippedCase]
 
 
-def layout_reason(fixture: str, num_rows: int) -> str:
-    """Why a layout does not run on a fixture; one sentence per fixture, so skips group."""
-    return f"{fixture} has {num_rows} rows, not divisible by R x M"
-
-
 @dataclass(kw_only=True)
 class Plan:
     """What to run; defaults are the default matrix of `python -m crosscheck run`."""
@@ -82,6 +70,22 @@ class Plan:
     dtypes: list[str] = field(default_factory=lambda: ["float64"])
     world_size_change: bool = True
     resume: bool = True
+    #: Contract v2's trainer modes on v2's fixtures: a second product, spec_fixtures x
+    #: spec_schemes, beside fixtures x schemes (off with `spec_modes=False`).
+    spec_schemes: list[str] = field(
+        default_factory=lambda: [
+            *MODE_SPECS,
+            *(f"{name}:{value:g}" for name, value in DEFAULT_PARAMETERS.items()),
+        ]
+    )
+    spec_fixtures: list[str] = field(default_factory=lambda: list(V2_FIXTURES))
+    #: None: on exactly when `fixtures` and `schemes` are the defaults (a plan narrowed to
+    #: some fixtures or schemes is about those).
+    spec_modes: bool | None = None
+    #: The multi-term objectives of `crosscheck.run.objectives` (their own fixtures and
+    #: layouts, float64), by every implementation of `impls` that computes them; only when
+    #: `dtypes` holds float64. None: as `spec_modes`.
+    objectives: bool | None = None
     #: Schemes of the resume rows (each resume case costs two process starts per framework).
     resume_schemes: list[str] = field(default_factory=lambda: ["token_mean", "sequence_mean"])
     #: Fixtures of the resume rows (those also in `fixtures`): by default the four of shape
@@ -98,6 +102,13 @@ class Plan:
     #: leaves out (the default matrix's, or between two named lists) is listed, not refused.
     explicit: frozenset[str] = frozenset()
 
+    def __post_init__(self) -> None:
+        default = self.fixtures == list(BUILTIN_FIXTURES) and self.schemes == list(SCHEMES)
+        if self.spec_modes is None:
+            self.spec_modes = default
+        if self.objectives is None:
+            self.objectives = default
+
     def validate(self) -> None:
         """Raise ValueError naming the first unknown name or empty list."""
         for name in DIMENSIONS:
@@ -108,16 +119,19 @@ class Plan:
             raise ValueError(f"explicit names unknown lists {unknown}; known: {list(DIMENSIONS)}")
         for name in [*self.fixtures, *self.resume_fixtures]:
             builtin_fixture(name)
-        for name in self.schemes:
-            get_scheme(name)  # an unknown name: the message lists the known ones
-            if name not in SCHEMES:
-                # The matrix runs the schemes by name in every implementation; a parameter
-                # (constant:C) would be dropped on the way, so it is refused, not lost.
+        for name in [*self.schemes, *(self.spec_schemes if self.spec_modes else [])]:
+            resolve_scheme(name)  # an unknown name: the message lists the known ones
+            if name.startswith("constant:"):
+                # v1's constant runs by name in every implementation; its C would be dropped
+                # on the way, so it is refused, not lost (configured_rows_sum:C is the spec
+                # form, with its parameter).
                 raise ValueError(
-                    f"the matrix runs schemes by name ({', '.join(SCHEMES)}); {name!r} carries "
-                    "a parameter the implementations would not receive: check a fixed "
-                    "normalizer with verify or diagnose"
+                    f"the matrix runs constant by name; {name!r} carries a parameter the "
+                    "implementations would not receive: check a fixed normalizer with verify or "
+                    "diagnose, or run the spec configured_rows_sum:C"
                 )
+        for name in self.spec_fixtures if self.spec_modes else []:
+            builtin_fixture(name)
         for impl in self.impls:
             if impl != "oracle":
                 framework_of(impl)
@@ -127,6 +141,20 @@ class Plan:
         for dtype in self.dtypes:
             if dtype not in ("float64", "float32", "bfloat16"):
                 raise ValueError(f"dtype must be float64, float32 or bfloat16, got {dtype!r}")
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every (fixture, scheme) the plan runs: fixtures x schemes, then the spec product."""
+        pairs = [(fixture, scheme) for fixture in self.fixtures for scheme in self.schemes]
+        if self.spec_modes:
+            pairs += [(f, s) for f in self.spec_fixtures for s in self.spec_schemes]
+        return list(dict.fromkeys(pairs))
+
+    def schemes_by_fixture(self) -> dict[str, list[str]]:
+        """`pairs` grouped by fixture, in order."""
+        grouped: dict[str, list[str]] = {}
+        for fixture, scheme in self.pairs():
+            grouped.setdefault(fixture, []).append(scheme)
+        return grouped
 
     def wanted_layouts(self) -> list[tuple[int, int]]:
         """Every (R, M) the plan asks for, whether or not it divides a fixture."""
@@ -152,12 +180,14 @@ class Plan:
         for impl in self.impls:
             if impl == "oracle":
                 continue
-            for fixture in self.fixtures:
+            for fixture, schemes in self.schemes_by_fixture().items():
                 num_rows = builtin_fixture(fixture).num_rows
                 for R, M in self.wanted_layouts():
-                    for scheme in self.schemes:
+                    for scheme in schemes:
                         # An accidental scheme has no strategy: it is the naive loop itself.
-                        strategies = self.strategies if get_scheme(scheme).intended else ["naive"]
+                        strategies = (
+                            self.strategies if resolve_scheme(scheme).intended else ["naive"]
+                        )
                         grid = case_grid(
                             [impl], [fixture], [(R, M)], [scheme], strategies, self.dtypes
                         )
@@ -185,12 +215,12 @@ class Plan:
         oracle_layouts: dict[str, list[tuple[int, int]]] = {}
         oracle_cases: list[Case] = []  # the oracle's rows as cases: what they exercise
         if "oracle" in self.impls:
-            for fixture in self.fixtures:
+            for fixture, schemes in self.schemes_by_fixture().items():
                 oracle_layouts[fixture] = self.oracle_layouts(fixture)
                 num_rows = builtin_fixture(fixture).num_rows
                 for R in self.world_sizes:
                     for M in self.accum_steps:
-                        for scheme in self.schemes:
+                        for scheme in schemes:
                             case = oracle_case(fixture, scheme, R, M)
                             if num_rows % (R * M):
                                 why = layout_reason(fixture, num_rows)
@@ -200,7 +230,7 @@ class Plan:
         resume_cases: list[ResumeCase] = []
         if self.resume:
             resume_cases = self._resume_cases(skipped)
-        problem = self._refusal([*cases, *oracle_cases], skipped, bool(resume_cases))
+        problem = refusal(self, [*cases, *oracle_cases], skipped, bool(resume_cases))
         if problem:
             raise PlanError(problem)
         return PlanBuild(
@@ -234,92 +264,6 @@ class Plan:
                     skipped.append(_skip("resume", case, reason))
         return cases
 
-    def _refusal(self, ran: list[Case], skipped: list[SkippedCase], resumes: bool) -> str:
-        """'' when the plan may run, else the one line that says why not.
-
-        Refused: a plan that runs nothing (explained by the first of its values that runs in
-        no case), and a value of an explicit list that runs in no case."""
-        problems = self._values_in_no_case(ran, skipped, self.explicit)
-        if ran and not problems:
-            return ""
-        if not problems:
-            # Nothing runs and nothing named explicitly explains it: the first value of the
-            # plan's own lists that runs nowhere does (every value runs nowhere).
-            problems = self._values_in_no_case(ran, skipped, DIMENSIONS)[:1]
-        message = problems[0][1]
-        if len(problems) > 1:
-            message += f" (also in no case: {', '.join(named for named, _ in problems[1:])})"
-        if ran:
-            return message
-        return f"{'only resume rows' if resumes else 'nothing'} to run: {message}"
-
-    def _values_in_no_case(
-        self, ran: list[Case], skipped: list[SkippedCase], names: Iterable[str]
-    ) -> list[tuple[str, str]]:
-        """(the value as named, why) for each value of the lists `names` that runs nowhere."""
-        problems = []
-        for name, (attribute, label) in DIMENSIONS.items():
-            if name not in names:
-                continue
-            present = {getattr(case, attribute) for case in ran}
-            for value in getattr(self, name):
-                if value not in present:
-                    named = label.format(value)
-                    problems.append((named, self._never_runs(name, value, named, skipped)))
-        return problems
-
-    def _never_runs(self, name: str, value: object, named: str, skipped: list[SkippedCase]) -> str:
-        """Why `value` of the list `name` runs in no case: the runners' reasons (most frequent
-        first) where some layout divides its fixture, else the layouts that divide none."""
-        attribute = DIMENSIONS[name][0]
-        mine = [s for s in skipped if s.check != "resume" and getattr(s, attribute) == value]
-        by_layout = [s for s in mine if _is_layout_skip(s)]
-        runner_reasons = Counter(s.reason for s in mine if not _is_layout_skip(s))
-        layout_reasons = Counter(s.reason for s in by_layout)
-        if name == "fixtures" and mine and len(by_layout) == len(mine):
-            return self._no_layout_divides(str(value))
-        # Where a layout divides, the runners' reasons are what keeps the value out; the
-        # layouts that divide nothing would not let it in either.
-        reasons = [r for r, _ in (runner_reasons or layout_reasons).most_common()]
-        if not reasons:
-            if name == "strategies":
-                reasons = [
-                    "a strategy applies to an intended scheme on a torch or JAX implementation, "
-                    f"and this plan has none (impls {', '.join(self.impls)}; "
-                    f"schemes {', '.join(self.schemes)})"
-                ]
-            elif name == "dtypes" and set(self.impls) == {"oracle"}:
-                reasons = ["the oracle runs in float64 only"]
-            else:
-                reasons = [f"no implementation of the plan runs it ({', '.join(self.impls)})"]
-        return f"{named} runs in no case of this plan: {_join_reasons(reasons)}"
-
-    def _no_layout_divides(self, fixture: str) -> str:
-        """A fixture none of whose asked-for layouts divides its rows: which, and the layouts."""
-        num_rows = builtin_fixture(fixture).num_rows
-        asked = ", ".join(f"{R} x {M}" for R in self.world_sizes for M in self.accum_steps)
-        message = (
-            f"fixture {fixture} has {num_rows} rows, which none of the layouts asked for "
-            f"divides: R x M = {asked} (world sizes {', '.join(map(str, self.world_sizes))}; "
-            f"accum steps {', '.join(map(str, self.accum_steps))})"
-        )
-        family_used = self.world_size_change and set(self.impls) != {"oracle"}
-        if family_used and all(num_rows % (R * M) for R, M in WORLD_SIZE_CHANGE_FAMILY):
-            family = ", ".join(f"{R} x {M}" for R, M in WORLD_SIZE_CHANGE_FAMILY)
-            message += f", nor the world-size-change layouts {family}"
-        return message
-
-
-def _is_layout_skip(skip: SkippedCase) -> bool:
-    return skip.reason == layout_reason(skip.fixture, builtin_fixture(skip.fixture).num_rows)
-
 
 def _skip(check: str, case: Case, reason: str) -> SkippedCase:
     return SkippedCase(check=check, reason=reason, **case.coordinates())
-
-
-def _join_reasons(reasons: list[str], most: int = 3) -> str:
-    text = "; ".join(reasons[:most])
-    if len(reasons) > most:
-        text += f"; and {len(reasons) - most} more"
-    return text

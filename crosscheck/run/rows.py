@@ -19,7 +19,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, CaseResult, TrainSettings
 from crosscheck.contract.optimizers import UpdateRecord, train
-from crosscheck.contract.schemes import get_scheme
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import RTOL_BY_DTYPE, tree_rel_err
@@ -71,6 +71,15 @@ def oracle_run(case: Case, settings: TrainSettings, scheme: str | None = None):
     )
 
 
+def _summed_denominator(scheme_name: str) -> bool:
+    """Whether D is a rounded float sum (weights, |row weights|, powers), not a count."""
+    if scheme_name == "weighted_mean":
+        return True
+    scheme = resolve_scheme(scheme_name)
+    kind = getattr(getattr(scheme, "scheme_spec", None), "denominator", None)
+    return kind is not None and kind.kind in ("weight_sum", "abs_row_weight_sum", "power_sum")
+
+
 def _metrics_problem(case: Case, output: CaseOutput, expected: tuple[UpdateRecord, ...]) -> str:
     """A message when the logged metrics disagree with the oracle's, else ''."""
     first = expected[0].result
@@ -89,7 +98,7 @@ def _metrics_problem(case: Case, output: CaseOutput, expected: tuple[UpdateRecor
         # Counts are exact integers whatever the dtype; weighted_mean's D is a float sum, held
         # to float64 in a float64 run and to float32 rounding otherwise (never the params'
         # dtype: a bf16 D would be 8 bits).
-        d_rtol = 0.0 if case.scheme != "weighted_mean" else WEIGHT_SUM_RTOL[case.dtype]
+        d_rtol = 0.0 if not _summed_denominator(case.scheme) else WEIGHT_SUM_RTOL[case.dtype]
         if not abs(m.denominator - first.denominator) <= d_rtol * abs(first.denominator):
             return f"rank {m.rank} logged D = {m.denominator!r}, expected {first.denominator!r}"
         if not abs(m.objective - first.loss) <= rtol * max(abs(first.loss), 1e-300):
@@ -124,11 +133,12 @@ def compare_with_oracle(case: Case, output: CaseOutput, settings: TrainSettings)
     must also pass the precision-aware weight test (its gradient's recovered weights within
     bf16 rounding of the intended ones at every rank, microbatch and document).
     """
-    scheme = get_scheme(case.scheme)
+    scheme = resolve_scheme(case.scheme)
     expected = oracle_run(case, settings)
     grad_err = tree_rel_err(output.grads, expected[0].result.grads)
-    param_err = tree_rel_err(output.params[-1], expected[-1].params)
-    worst = max(grad_err, param_err, key=lambda e: e.max_rel_err)
+    # A trainer-mode case is one update without an optimizer step: its gradient is judged.
+    param_err = tree_rel_err(output.params[-1], expected[-1].params) if output.params else None
+    worst = max(grad_err, param_err or grad_err, key=lambda e: e.max_rel_err)
     rtol = RTOL_BY_DTYPE[case.dtype]
     detail = "" if worst.max_rel_err <= rtol else worst.describe()
     # The accidental schemes have no global D of their own to log; their rows stand on the
@@ -145,11 +155,18 @@ def compare_with_oracle(case: Case, output: CaseOutput, settings: TrainSettings)
         case,
         max_rel_err=worst.max_rel_err,
         ok=worst.max_rel_err <= rtol and not problem,
-        reference=f"oracle {case.scheme}, gradient and params after {settings.num_updates} updates",
+        reference=(
+            f"oracle {case.scheme}, gradient and params after {settings.num_updates} updates"
+            if output.params
+            else f"oracle {case.scheme}, gradient of one update"
+        ),
         weight_ratio=weight_ratio(expected[0].result.token_weights, fixture.valid),
         deviation=deviation,
         detail=problem or detail,
-        extra={"grad_rel_err": grad_err.max_rel_err, "param_rel_err": param_err.max_rel_err},
+        extra={
+            "grad_rel_err": grad_err.max_rel_err,
+            "param_rel_err": None if param_err is None else param_err.max_rel_err,
+        },
     )
 
 
@@ -229,7 +246,7 @@ def world_size_change(
                 for layout in present[1:]
             }
             worst = max(errs.values())
-            intended = get_scheme(scheme).intended
+            intended = resolve_scheme(scheme).intended
             rtol = 2 * RTOL_BY_DTYPE[dtype]
             ok = worst <= rtol if intended else bool(np.isfinite(worst))
             rows.append(

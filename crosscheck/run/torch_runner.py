@@ -40,6 +40,7 @@ from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
 from crosscheck.launch.workers import launch_each, launchable
+from crosscheck.run.torch_spec_cases import is_spec_case, spec_case, spec_output
 
 IMPLS: dict[str, str] = {"torch-ddp": "ddp", "torch-fsdp2": "fsdp2"}
 #: The params' dtypes of torch_impl.harness.cases.DTYPES (repeated so that choosing cases does not
@@ -66,6 +67,8 @@ def why_unsupported(case: Case) -> str:
         return "torch-fsdp2 runs precount only (the accidental schemes' loop runs on torch-ddp)"
     if case.scheme == "rank_mean" and case.accum_steps != 1:
         return "the torch mean-loss loop is rank_mean only at M = 1 (at M > 1 microbatch_mean)"
+    if is_spec_case(case) and case.dtype != "float64":
+        return "the matrix runs trainer modes (scheme specs) in float64"
     return ""
 
 
@@ -131,15 +134,21 @@ def _case_output(case: Case, per_rank: list) -> CaseOutput:
 def _run_world(
     cases: list[Case], settings: TrainSettings, on_done: OnDone, world_size: int
 ) -> None:
-    """One launch of `world_size` ranks runs every case of that size."""
-    from torch_impl.harness.cases import run_cases
+    """One launch of `world_size` ranks runs every case of that size, v1's and spec cases."""
+    from torch_impl.harness.spec_cases import run_mixed_cases
 
     outcomes = launch_each(
-        run_cases,
+        run_mixed_cases,
         world_size,
         cases,
-        lambda case: _update_case(case, settings),
-        _case_output,
+        lambda case: (
+            spec_case(case, IMPLS[case.impl])
+            if is_spec_case(case)
+            else _update_case(case, settings)
+        ),
+        lambda case, per_rank: (
+            spec_output(case, per_rank) if is_spec_case(case) else _case_output(case, per_rank)
+        ),
         timeout_s=LAUNCH_TIMEOUT_S,
         collective_timeout_s=COLLECTIVE_TIMEOUT_S,
     )

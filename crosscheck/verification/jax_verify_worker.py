@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.row_fields import ROW_FIELD_KEYS
 from crosscheck.launch.workers import write_atomically
 from crosscheck.verification.protocol import VerifyJob, take_logged_denominator
 
@@ -157,6 +158,10 @@ def _arguments(job: VerifyJob) -> tuple[Any, Any, dict[str, np.ndarray], Any]:
         "segment_ids": np.array(laid_out.segment_ids),
         "weights": np.array(laid_out.weights, dtype=np.float64),
     }
+    # Contract v2's fields where the fixture gives them, or all four (defaults where it gives
+    # none) for a spec scheme: [R, M, B] per row, [R, M, B, T] document ids.
+    for key in ROW_FIELD_KEYS if job.row_fields else fixture.explicit_row_fields:
+        batch[key] = np.array(getattr(laid_out, key))
     # Fresh: a step may donate them. float64 unless the job hands the step another dtype.
     params = params_from_numpy(fixture.params(), jnp.dtype(job.dtype))
     return params, _apply_fn(*fixture.embed.shape), batch, _mesh(job.world_size)

@@ -10,7 +10,10 @@ layouts, and diagnoses it.
 where it is). ``model`` is the analytic model (``torch_impl.model.BilinearLM``: ``logits =
 embed[inputs] @ unembed``, float64) wrapped in ``DistributedDataParallel``; ``microbatches`` is
 this rank's list of M dicts of [B, T] tensors: ``inputs`` and ``targets`` (int64, ignored
-targets are -100), ``segment_ids`` (int64, 0 is padding) and ``weights`` (float64). The step
+targets are -100), ``segment_ids`` (int64, 0 is padding) and ``weights`` (float64), and on a
+fixture of contract v2 its fields (``group_ids`` [B], ``document_ids`` [B, T], ``row_weights``
+[B], ``sample_mask`` [B]; docs/schemes-as-data.md; on every fixture, with their defaults,
+when the intended scheme is a spec). The step
 runs forward and backward over all M microbatches (``no_sync`` or not, as the user's loop
 does); the harness then reads the gradient from the parameters' ``.grad``. Variants, chosen by
 the function's signature:
@@ -27,7 +30,8 @@ and ``jax_enable_x64``. ``params`` is ``{"embed": [V, H], "unembed": [H, V]}`` (
 ``jax.Array``); ``apply_fn(params, inputs)`` returns logits [..., V] (the Flax model's
 ``apply``, parameters passed as the plain dict above); ``batch`` holds the laid-out global
 batch as numpy arrays of shape [R, M, B, T] (rank r's microbatch m is ``[r, m]``: ``inputs``,
-``targets``, ``segment_ids``, ``weights``); ``mesh`` is a 1-D ``jax.sharding.Mesh`` over R
+``targets``, ``segment_ids``, ``weights``, and a v2 fixture's fields laid out the same way,
+[R, M, B] per row); ``mesh`` is a 1-D ``jax.sharding.Mesh`` over R
 devices with axis name ``"data"``. The step may use pmap, shard_map or jit inside and returns
 the gradient as a dict with the params' keys and shapes (a leading device axis of size R, as
 pmap returns, is accepted when every replica is identical). A step that accepts an
@@ -98,6 +102,10 @@ class VerifyJob:
     accum_steps: int
     #: The dtype of the model / params handed to the step.
     dtype: str = "float64"
+    #: Hand the step contract v2's four fields on every fixture (their defaults where the
+    #: fixture gives none): verify sets it when the intended scheme is a spec, whose step
+    #: reads them. Otherwise only the fields a fixture gives are handed on.
+    row_fields: bool = False
 
     def describe(self) -> str:
         dtype = "" if self.dtype == "float64" else f" {self.dtype}"

@@ -43,6 +43,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from crosscheck.contract.row_fields import ROW_FIELD_KEYS
+from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.workers import launch_arrays, layout_problem
 from crosscheck.verification import torch_verify_outcomes as rank_outcomes
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
@@ -98,6 +102,9 @@ def _user_job(job: VerifyJob) -> UserStepJob:
     from torch_impl.harness.user_step import UserStepJob
 
     batch, params = launch_arrays(job.fixture)
+    if job.row_fields:  # every v2 field, its default where the fixture gives none
+        fixture = builtin_fixture(job.fixture)
+        batch = {**batch, **{key: np.asarray(getattr(fixture, key)) for key in ROW_FIELD_KEYS}}
     return UserStepJob(
         label=job.describe(),
         batch=batch,

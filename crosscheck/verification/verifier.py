@@ -68,6 +68,7 @@ def jobs_for(
     world_sizes: Sequence[int] | None,
     accum_steps: Sequence[int] | None,
     dtype: str = "float64",
+    row_fields: bool = False,
 ) -> list[VerifyJob]:
     """Every (fixture, R, M) asked for. A layout asked for explicitly that does not divide a
     fixture's rows is refused, naming both: a check that was asked for never silently drops.
@@ -93,7 +94,8 @@ def jobs_for(
                 "(R x M must divide the rows); drop that layout or that fixture"
             )
         jobs += [
-            VerifyJob(fixture=name, world_size=R, accum_steps=M, dtype=dtype) for R, M in fitting
+            VerifyJob(fixture=name, world_size=R, accum_steps=M, dtype=dtype, row_fields=row_fields)
+            for R, M in fitting
         ]
     return jobs
 
@@ -168,7 +170,9 @@ def verify(
     if missing:
         raise StepSetupError(missing)
     name = step_name(step)
-    jobs = jobs_for(fixtures, world_sizes, accum_steps, dtype)
+    jobs = jobs_for(
+        fixtures, world_sizes, accum_steps, dtype, row_fields=isinstance(intended, SpecScheme)
+    )
     # Once, before any process starts: a step that does not exist is a set-up error (raised
     # here, exit 2 on the command line), never a failing case per fixture and layout.
     check_step(name, framework, timeout_s=min(timeout_s, STEP_CHECK_TIMEOUT_S))

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torch_impl.batch import BATCH_KEYS, rank_microbatches
+from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, rank_microbatches
 from torch_impl.harness.jobs import BatchJob
 from torch_impl.harness.step_gradient import StepResultError, read_grads
 
@@ -198,8 +198,13 @@ def _error_kind(error: BaseException) -> str:
 
 
 def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
+    # The four v1 arrays, and contract v2's fields where the fixture gives them.
     return [
-        {key: getattr(batch, key) for key in BATCH_KEYS}
+        {
+            key: getattr(batch, key)
+            for key in (*BATCH_KEYS, *OPTIONAL_KEYS)
+            if getattr(batch, key) is not None
+        }
         for batch in rank_microbatches(job.batch, rank, world_size, job.accum_steps)
     ]
 

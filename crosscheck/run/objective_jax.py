@@ -1,0 +1,111 @@
+"""The JAX side of the objective rows: ``python -m crosscheck.run.objective_jax JOB OUT``.
+
+One worker process (eight CPU devices, x64) computes every objective case of the job with
+``jax_impl.objective.make_objective_fn`` under ``shard_map``, one compiled program per
+objective and layout (the fixtures share a shape), and returns plain numpy for the parent to
+judge (`crosscheck.run.objectives`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from crosscheck.contract.fixture import BATCH_KEYS
+from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.fixtures.objective_params import objective_params
+from crosscheck.launch.schedule import Job
+from crosscheck.launch.workers import jax_launch, jax_worker_env, serve_job, worker_zygote
+from crosscheck.run.objectives import (
+    OBJECTIVES,
+    ObjectiveCase,
+    ObjectiveOutput,
+    OnObjective,
+    TermOutput,
+    term_name,
+)
+
+IMPL = "jax-shard_map"
+WORKER_TIMEOUT_S = 300.0
+
+
+def run_cases(job: dict) -> dict[ObjectiveCase, ObjectiveOutput | str]:
+    """In the worker: every case of the job; a failing case gets its traceback."""
+    import jax_impl
+    from jax_impl.objective import make_objective_fn
+
+    results: dict[ObjectiveCase, ObjectiveOutput | str] = {}
+    programs: dict[tuple[str, int], object] = {}
+    for case in job["cases"]:
+        try:
+            fixture = builtin_fixture(case.fixture)
+            R, M = case.world_size, case.accum_steps
+            key = (case.objective, R)
+            if key not in programs:
+                programs[key] = make_objective_fn(OBJECTIVES[case.objective], jax_impl.data_mesh(R))
+            arrays = {k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS}
+            batch = jax_impl.lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
+            out = programs[key](objective_params(fixture), batch)
+            names = [term_name(t) for t in OBJECTIVES[case.objective]]
+            results[case] = ObjectiveOutput(
+                grads={k: np.asarray(v) for k, v in out.grads.items()},
+                loss=float(out.loss),
+                terms=tuple(
+                    TermOutput(
+                        name,
+                        float(out.term_losses[i]),
+                        int(out.term_counts[i]),
+                        tuple(float(d) for d in np.asarray(out.term_denominators[i])),
+                    )
+                    for i, name in enumerate(names)
+                ),
+            )
+        except Exception:  # this case fails by name with its traceback; the others still run
+            results[case] = traceback.format_exc(limit=8)
+    return results
+
+
+def _run(cases: list[ObjectiveCase], on_done: OnObjective) -> None:
+    with tempfile.TemporaryDirectory(prefix="gradweight-objective-") as tmp:
+        work = Path(tmp)
+        job, out = work / "job.pkl", work / "out.pkl"
+        job.write_bytes(pickle.dumps({"cases": cases, "dtype": "float64"}))
+        command = [sys.executable, "-m", "crosscheck.run.objective_jax", str(job), str(out)]
+        try:
+            jax_launch().run_workers(
+                [command],
+                timeout_s=WORKER_TIMEOUT_S,
+                log_dir=work,
+                env=jax_worker_env(),
+                zygote=worker_zygote(),
+            )
+        except Exception as error:
+            for case in cases:
+                on_done(case, error)
+            return
+        results = pickle.loads(out.read_bytes())
+    for case in cases:
+        result = results.get(case, "the worker produced no result for this case")
+        on_done(case, RuntimeError(result) if isinstance(result, str) else result)
+
+
+def jobs(cases: list[ObjectiveCase], on_done: OnObjective) -> list[Job]:
+    """One worker for every JAX objective case (programs: one per objective and R)."""
+    if not cases:
+        return []
+    programs = len({(c.objective, c.world_size) for c in cases})
+    return [Job(f"{IMPL} objectives", 1, 1.0 + 0.8 * programs, lambda: _run(cases, on_done))]
+
+
+def main(argv: Sequence[str]) -> int:
+    return serve_job(argv, run_cases)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,171 @@
+r"""Multi-term objectives with one auxiliary term weighted wrongly, as buggy JAX steps.
+
+Each step is `jax_impl.objective` (one ``jax.shard_map`` device per rank, the counts
+``psum``'d before any backward, one ``jax.grad`` per microbatch, gradients summed over the
+microbatches and reduced over ranks) with exactly one term `target` computed the way a real
+loop got it wrong. Every other term keeps its correct weights. With λ_k the coefficients,
+n the update's count of the main term, n_u a microbatch's, R ranks and M microbatches:
+
+* ``sibling-term-scope`` (verl#6957, verl#7200, trl#2995, SkyRL#1504, NeMo-RL#2839): the DDP
+  idiom, where the gradient all-reduce averages ranks, so every globally normalized term is
+  multiplied by R; the target takes its own microbatch-local mean and is averaged over the
+  M accumulation steps, as a per-microbatch loss function returns it. Its gradient is
+  :math:`\frac{1}{R M}\sum_u \frac{1}{n^k_u}\sum_{t\in u} \lambda_k \nabla l^k_t`.
+* ``shifted-aux-count`` (Megatron-LM#2417, fixed in #3159): the ``mtp`` term, whose rolled
+  mask v' has fewer tokens, is divided by the main term's count n instead of its own n'.
+* ``aux-world-size-factor``: DDP idiom again, the target computed complete on every rank
+  (all-gathered tokens: each rank evaluates the whole update's term, as a replicated
+  global-batch load-balancing loss is) and then multiplied by R with the main loss: after
+  the rank average it weighs R λ_k instead of λ_k.
+* ``aux-global-count-local-stats``: ``moe_lb`` from this microbatch's routing statistics,
+  :math:`f_{ue} = c_{ue}/(k n_u)` and :math:`\sum_{t\in u}\pi_{te}`, divided by the global
+  token count n as the main loss is: :math:`\sum_u E \sum_e f_{ue} \sum_{t\in u}\pi_{te} / n`,
+  neither the global-batch nor the micro-batch balancing it meant.
+* ``aux-coefficient-twice``: the loss function returns λ_k L_k and the trainer multiplies
+  by λ_k again: :math:`\lambda_k^2 L_k`.
+
+`make_objective_bug_fn(pattern, terms, target, mesh)` returns
+``fn(params, batch) -> grads`` (replicated). jax_impl never imports crosscheck: the
+diagnosis that names these lives in `crosscheck.diagnosis.objective_diagnosis`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.losses import Microbatch
+from jax_impl.model import Params
+
+# The correct objective's pieces: the bugs differ from it only in the target's weights.
+from jax_impl.objective import (
+    FROZEN_PARAMS,
+    TRAINED_PARAMS,
+    _Norm,
+    _precount,
+    _term_mask,
+    _term_sum,
+    expert_counts,
+    parse_terms,
+    router_probs,
+    token_losses,
+)
+from jax_impl.shard_map_step import rank_varying, replicate, shard_batch
+
+PATTERNS = (
+    "sibling-term-scope",
+    "shifted-aux-count",
+    "aux-world-size-factor",
+    "aux-global-count-local-stats",
+    "aux-coefficient-twice",
+)
+#: Steps that average gradients over ranks (DDP); the others sum them (jax_impl.objective).
+_AVERAGED = frozenset({"sibling-term-scope", "aux-world-size-factor"})
+
+
+def _gathered(mb: Microbatch, axis: str) -> Microbatch:
+    """Every rank's microbatch m, rows concatenated: the whole update's accumulation step m."""
+    return Microbatch(*(lax.all_gather(x, axis, tiled=True) for x in mb))
+
+
+def _buggy_part(pattern, term, norm: _Norm, main: _Norm, p, mb, m, axis, M):
+    """The target term's λ-free contribution of microbatch m, as the buggy step writes it."""
+    if pattern == "sibling-term-scope":
+        # loss_fn returns the microbatch's own masked mean; the accumulation averages them.
+        losses = token_losses(term, p, mb.inputs, mb.targets, mb.segment_ids)
+        n_local = jnp.sum(_term_mask(term, mb.targets, mb.segment_ids))
+        return jnp.sum(losses) / jnp.maximum(n_local, 1) / M
+    if pattern == "shifted-aux-count":
+        # One num_tokens for every term: the main term's, n, not the rolled mask's n'.
+        losses = token_losses(term, p, mb.inputs, mb.targets, mb.segment_ids)
+        return jnp.sum(losses) / main.count.astype(losses.dtype)
+    if pattern == "aux-world-size-factor":
+        # Complete on every rank: the term of the whole update's step m, global weights.
+        return _term_sum(term, norm, p, _gathered(mb, axis), m)
+    if pattern == "aux-global-count-local-stats":
+        real = mb.segment_ids > 0
+        probs = router_probs(p, mb.inputs)
+        counts = expert_counts(lax.stop_gradient(probs)[None], real[None], term.top_k)[0]
+        n_local = jnp.sum(real).astype(probs.dtype)
+        f = counts.astype(probs.dtype) / (term.top_k * n_local)  # this microbatch's f_ue
+        mass = jnp.sum(jnp.where(real[..., None], probs, 0.0), axis=(0, 1))  # sum_t pi_te
+        n_global = norm.count.astype(probs.dtype)  # divided like the main loss
+        return probs.shape[-1] * jnp.sum(f * mass) / n_global
+    if pattern == "aux-coefficient-twice":
+        # The loss function already returns λ L; the caller multiplies by λ again.
+        return term.coefficient * _term_sum(term, norm, p, mb, m)
+    raise ValueError(f"unknown pattern {pattern!r}; one of {', '.join(PATTERNS)}")
+
+
+def _check(pattern: str, target, main) -> None:
+    if pattern not in PATTERNS:
+        raise ValueError(f"unknown pattern {pattern!r}; one of {', '.join(PATTERNS)}")
+    if target is main:
+        raise ValueError("the target must be an auxiliary term, not the main (first) term")
+    needs = {"shifted-aux-count": ("mtp",), "aux-global-count-local-stats": ("moe_lb",)}
+    if pattern in needs and target.kind not in needs[pattern]:
+        raise ValueError(f"{pattern} hits a {needs[pattern][0]} term, not {target.kind}")
+    local_ok = target.kind != "moe_lb" and target.scope == "update"
+    if pattern == "sibling-term-scope" and not local_ok:
+        raise ValueError("sibling-term-scope localizes a per-token term of update scope")
+    if pattern in ("shifted-aux-count", "aux-world-size-factor") and target.scope != "update":
+        raise ValueError(f"{pattern} is written for a target of update scope")
+
+
+def make_objective_bug_fn(
+    pattern: str,
+    terms: Sequence[Mapping[str, Any]],
+    target: str,
+    mesh: Mesh,
+    axis_name: str = "data",
+) -> Callable[[Params, Microbatch], Params]:
+    """grads(params, batch [R, M, B, T]) of `terms` with `target` weighted as `pattern` does."""
+    parsed = parse_terms(terms)
+    hit = next((t for t in parsed if t.name == target), None)
+    if hit is None:
+        raise ValueError(f"no term {target!r} in {[t.name for t in parsed]}")
+    _check(pattern, hit, parsed[0])
+    R = mesh.shape[axis_name]
+    averaged = pattern in _AVERAGED
+
+    def per_rank(params: Params, batch: Microbatch) -> Params:
+        batch = Microbatch(*(x[0] for x in batch))
+        M = batch.inputs.shape[0]
+        dtype = params["embed"].dtype
+        norms = [_precount(t, params, batch, axis_name, R, dtype) for t in parsed]
+        frozen = {k: v for k, v in params.items() if k in FROZEN_PARAMS}
+
+        def microbatch_loss(p: Params, m: int) -> jax.Array:
+            mb = Microbatch(*(x[m] for x in batch))
+            p = p | frozen
+            total = jnp.zeros((), dtype)
+            for term, norm in zip(parsed, norms, strict=True):
+                if term is hit:
+                    part = _buggy_part(pattern, term, norm, norms[0], p, mb, m, axis_name, M)
+                    # The world-size factor hits the target only in aux-world-size-factor.
+                    factor = R if pattern == "aux-world-size-factor" else 1
+                else:
+                    part, factor = _term_sum(term, norm, p, mb, m), R if averaged else 1
+                total = total + factor * term.coefficient * part
+            return total
+
+        local = rank_varying({k: v for k, v in params.items() if k in TRAINED_PARAMS}, axis_name)
+        grads = jax.tree.map(jnp.zeros_like, local)
+        for m in range(M):
+            grads = jax.tree.map(jnp.add, grads, jax.grad(microbatch_loss)(local, m))
+        return lax.pmean(grads, axis_name) if averaged else lax.psum(grads, axis_name)
+
+    mapped = jax.jit(
+        jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P())
+    )
+
+    def step(params: Params, batch: Microbatch) -> Params:
+        return mapped(replicate(dict(params), mesh), shard_batch(batch, mesh, axis_name))
+
+    return step

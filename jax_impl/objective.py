@@ -1,0 +1,308 @@
+r"""A multi-term objective (docs/objectives.md) under ``jax.shard_map``, with autodiff.
+
+    total = sum_k λ_k L_k,   L_k = (1/K_k) sum over units u of (sum_{t in u} a_t l_t) / D_u
+
+Terms are the dicts of docs/objectives.md: ``ce``, ``z_loss``, ``entropy``, ``ref_kl`` and
+``mtp`` weigh their tokens by their mask (a_t = v_t, v'_t for mtp's targets shifted once more
+inside the segment) over the token count of the term's scheme ``scope`` (``update`` by
+default, ``rank`` or ``microbatch``); ``moe_lb`` is Switch load balancing with per-expert
+counts c_ue of the top-k router picks, a_t = 1 on real tokens, l_t = sum_e c_ue π_te and
+D_u = k n_u^2 / E, at ``update`` or ``microbatch`` scope.
+
+Every rank holds its [M, B, T] block. First, before any backward, everything a weight needs:
+each term's mask counts and the router's expert counts (a forward of the router without
+gradient) are reduced by one ``psum`` where the unit spans ranks, so the counts that scale
+each token are the global ones (an update-scope moe_lb built from the local counts would be
+the microbatch-scope objective of another layout). Then each microbatch's
+sum_k λ_k (sum_t a_t l_t) / D_u / K is differentiated, the gradients are summed over the
+microbatches and ``psum``'d over ranks. The counts are constants of the backward: no gradient
+flows through a count (f in Switch's f · P). The frozen reference (``ref_embed``,
+``ref_unembed``) is read, never differentiated.
+
+Only the token-count schemes are computed here (a spec of ``{}`` or ``{"scope": U}``, or its
+full dict form with the defaults written out); other scheme specs are refused with a
+ValueError rather than computed wrongly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jax_impl.losses import Microbatch
+from jax_impl.model import Params
+from jax_impl.schemes import IGNORE_INDEX
+from jax_impl.shard_map_step import rank_varying, replicate, shard_batch
+
+PER_TOKEN_KINDS = ("ce", "z_loss", "entropy", "ref_kl", "mtp")
+KINDS = (*PER_TOKEN_KINDS, "moe_lb")
+TRAINED_PARAMS = ("embed", "unembed", "mtp_unembed", "router")
+FROZEN_PARAMS = ("ref_embed", "ref_unembed")
+HEAD = {"mtp": "mtp_unembed", "moe_lb": "router"}  # every other kind reads "unembed"
+
+
+@dataclass(frozen=True)
+class ObjectiveTerm:
+    """One term λ L, read from its dict by `parse_terms`."""
+
+    name: str
+    kind: str
+    coefficient: float
+    scope: str
+    top_k: int = 0
+
+
+#: The keys of a term's dict, and the defaults of the scheme spec this module computes: a
+#: spec may write them out (a spec's full dict form), but any other value is refused.
+_TERM_KEYS = {"kind", "coefficient", "scheme", "scope", "top_k", "name"}
+_TOKEN_COUNT_SPEC = {
+    "weight": {"mask": "valid", "soft": "none", "group": "none", "alpha": 1.0},
+    "denominator": {"kind": "tokens", "group": "none", "mask": "valid", "alpha": 1.0},
+}
+
+
+def _token_count_scope(name: str, scheme: Mapping[str, Any]) -> str:
+    """The scope of a token-count spec ({} or {"scope": U}, defaults written out or not)."""
+    why = None
+    for part, defaults in _TOKEN_COUNT_SPEC.items():
+        given = dict(scheme.get(part) or {})
+        given.pop("count_scope", None)  # no group: no count, whatever its scope
+        if given.get("value") is None:
+            given.pop("value", None)
+        if any(defaults.get(k, object()) != v for k, v in given.items()):
+            why = f"{part} {given}"
+    if set(scheme) - {"weight", "denominator", "scope", "name"}:
+        why = f"keys {sorted(scheme)}"
+    scope = scheme.get("scope", "update")
+    if why or scope not in ("update", "rank", "microbatch"):
+        raise ValueError(
+            f"term {name!r}: jax_impl.objective computes token-count schemes "
+            f"(a_t = v_t over the token count of scope U), got {why or f'scope {scope!r}'}"
+        )
+    return scope
+
+
+def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]:
+    """The terms of an objective, each checked; a spec this module does not compute is refused."""
+    parsed = []
+    for data in terms:
+        kind = data.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"term kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        name = str(data.get("name") or kind)
+        unknown = set(data) - _TERM_KEYS
+        coefficient = data.get("coefficient", 1.0)
+        if unknown or isinstance(coefficient, bool) or not isinstance(coefficient, int | float):
+            raise ValueError(
+                f"term {name!r}: unknown keys {sorted(unknown)} or a coefficient "
+                f"that is not a number ({coefficient!r})"
+            )
+        if kind == "moe_lb":
+            scope, top_k = data.get("scope", "update"), data.get("top_k")
+            if scope not in ("update", "microbatch") or not isinstance(top_k, int) or top_k < 1:
+                raise ValueError(
+                    f"term {name!r}: moe_lb needs a positive top_k and an update or "
+                    f"microbatch scope, got top_k={top_k!r}, scope={scope!r}"
+                )
+        else:
+            scope, top_k = _token_count_scope(name, data.get("scheme") or {}), 0
+        parsed.append(ObjectiveTerm(name, kind, float(coefficient), scope, top_k))
+    if len({t.name for t in parsed}) != len(parsed):
+        raise ValueError(f"term names must be unique, got {[t.name for t in parsed]}")
+    return tuple(parsed)
+
+
+class ObjectiveOutput(NamedTuple):
+    """The update's objective; everything replicated over the mesh."""
+
+    loss: jax.Array
+    #: d total / d param for every trained param present.
+    grads: Params
+    #: L_k per term, before its coefficient [num terms].
+    term_losses: jax.Array
+    #: Tokens of each term's mask over the update (real tokens for moe_lb) [num terms].
+    term_counts: jax.Array
+    #: D_u of every unit of each term's scope ([1], [R] or [R M] per term).
+    term_denominators: tuple[jax.Array, ...]
+
+
+def mtp_targets(targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """y'_t = y_{t+1} when t + 1 < T and the segment does not change there, else ignored."""
+    same = segment_ids[..., 1:] == segment_ids[..., :-1]
+    shifted = jnp.where(same, targets[..., 1:], IGNORE_INDEX)
+    return jnp.concatenate([shifted, jnp.full_like(targets[..., :1], IGNORE_INDEX)], axis=-1)
+
+
+def _term_mask(term: ObjectiveTerm, targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    if term.kind == "moe_lb":
+        return segment_ids > 0  # padding is not routed
+    if term.kind == "mtp":
+        targets = mtp_targets(targets, segment_ids)
+    return targets != IGNORE_INDEX
+
+
+def token_losses(
+    term: ObjectiveTerm,
+    params: Params,
+    inputs: jax.Array,
+    targets: jax.Array,
+    segment_ids: jax.Array,
+) -> jax.Array:
+    """l_t of a per-token kind on [..., T] tokens, 0 where its mask is 0."""
+    logits = jnp.take(params["embed"], inputs, axis=0) @ params[HEAD.get(term.kind, "unembed")]
+    log_p = jax.nn.log_softmax(logits)
+    p = jnp.exp(log_p)
+    if term.kind == "mtp":
+        targets = mtp_targets(targets, segment_ids)
+    valid = targets != IGNORE_INDEX
+    if term.kind in ("ce", "mtp"):
+        safe = jnp.where(valid, targets, 0)
+        losses = -jnp.take_along_axis(log_p, safe[..., None], axis=-1)[..., 0]
+    elif term.kind == "z_loss":
+        losses = jax.nn.logsumexp(logits, axis=-1) ** 2
+    elif term.kind == "entropy":
+        losses = -jnp.sum(p * log_p, axis=-1)
+    else:  # ref_kl: q from the frozen reference, which no gradient reaches
+        ref = lax.stop_gradient(jnp.take(params["ref_embed"], inputs, axis=0))
+        log_q = jax.nn.log_softmax(ref @ lax.stop_gradient(params["ref_unembed"]))
+        losses = jnp.sum(p * (log_p - log_q), axis=-1)
+    return jnp.where(valid, losses, 0.0)
+
+
+def router_probs(params: Params, inputs: jax.Array) -> jax.Array:
+    """π_t = softmax(embed[x_t] · router) [..., E]."""
+    return jax.nn.softmax(jnp.take(params["embed"], inputs, axis=0) @ params["router"])
+
+
+def expert_counts(probs: jax.Array, real: jax.Array, top_k: int) -> jax.Array:
+    """c_e per microbatch [M, E]: real tokens whose top-k includes e (lax.top_k puts the
+    lower index first on a tie, the contract's rule)."""
+    _, picks = lax.top_k(probs, top_k)
+    onehot = jax.nn.one_hot(picks, probs.shape[-1], dtype=jnp.int32).sum(axis=-2)
+    return jnp.sum(onehot * real[..., None], axis=(1, 2), dtype=jnp.int32)
+
+
+class _Norm(NamedTuple):
+    """A term's constants for the backward: 1 / (D_u K) per microbatch [M] and, for moe_lb,
+    the expert counts g [M, E] that multiply π_t; plus what is reported."""
+
+    scale: jax.Array
+    counts: jax.Array | None
+    denominators: jax.Array
+    count: jax.Array
+
+
+def _gather(x: jax.Array, axis: str, world_size: int) -> jax.Array:
+    """Every rank's `x` stacked rank-major [R, ...], by one psum of a one-slot-per-rank array."""
+    slots = jnp.zeros((world_size, *x.shape), x.dtype)
+    return lax.psum(slots.at[lax.axis_index(axis)].set(x), axis)
+
+
+def _precount(term, params, batch: Microbatch, axis: str, world_size: int, dtype) -> _Norm:
+    """The term's counts, reduced where its unit spans ranks, before any backward."""
+    mask = _term_mask(term, batch.targets, batch.segment_ids)
+    local = jnp.sum(mask, axis=(1, 2), dtype=jnp.int32)  # per microbatch [M]
+    M = local.shape[0]
+    count = lax.psum(jnp.sum(local), axis)
+    scope = term.scope
+    counts = None
+    if term.kind == "moe_lb":
+        probs = lax.stop_gradient(router_probs(params, batch.inputs))
+        counts = expert_counts(probs, mask, term.top_k)
+        E = probs.shape[-1]
+        if scope == "update":
+            counts = jnp.broadcast_to(lax.psum(jnp.sum(counts, axis=0), axis), counts.shape)
+            n = count.astype(dtype)
+        else:
+            n = local.astype(dtype)
+        denominators = term.top_k * n * n / E
+    elif scope == "update":
+        denominators = count.astype(dtype)
+    elif scope == "rank":
+        denominators = jnp.sum(local).astype(dtype)
+    else:
+        denominators = local.astype(dtype)
+    units = {"update": 1, "rank": world_size, "microbatch": world_size * M}[scope]
+    # A unit with D_u = 0 has no token of weight: it contributes 0, never 0/0.
+    safe = jnp.where(denominators > 0, denominators, 1)
+    scale = jnp.broadcast_to(jnp.where(denominators > 0, 1 / safe / units, 0), (M,))
+    reported = denominators[None] if scope == "update" else _gather(denominators, axis, world_size)
+    return _Norm(scale, counts, reported.reshape(-1), count)
+
+
+def _term_sum(term: ObjectiveTerm, norm: _Norm, params: Params, mb: Microbatch, m: int):
+    """sum_{t in microbatch m} a_t l_t / D_u / K of one term."""
+    if term.kind == "moe_lb":
+        losses = router_probs(params, mb.inputs) @ norm.counts[m].astype(params["router"].dtype)
+        losses = jnp.where(mb.segment_ids > 0, losses, 0.0)
+    else:
+        losses = token_losses(term, params, mb.inputs, mb.targets, mb.segment_ids)
+    return jnp.sum(losses) * norm.scale[m]
+
+
+def _rank_objective(params: Params, batch: Microbatch, terms, axis: str, world_size: int):
+    batch = Microbatch(*(x[0] for x in batch))  # [1, M, B, T] -> [M, B, T]
+    dtype = params["embed"].dtype
+    norms = [_precount(t, params, batch, axis, world_size, dtype) for t in terms]
+    trained = {k: v for k, v in params.items() if k in TRAINED_PARAMS}
+    frozen = {k: v for k, v in params.items() if k in FROZEN_PARAMS}
+    coefficients = jnp.asarray([t.coefficient for t in terms], dtype)
+
+    def microbatch_objective(p: Params, m: int):
+        mb = Microbatch(*(x[m] for x in batch))
+        pairs = zip(terms, norms, strict=True)
+        parts = jnp.stack([_term_sum(t, n, p | frozen, mb, m) for t, n in pairs])
+        return jnp.sum(coefficients * parts), parts
+
+    local = rank_varying(trained, axis)
+    grads = jax.tree.map(jnp.zeros_like, local)
+    parts = jnp.zeros(len(terms), dtype)
+    for m in range(batch.inputs.shape[0]):
+        g, part = jax.grad(microbatch_objective, has_aux=True)(local, m)
+        grads = jax.tree.map(jnp.add, grads, g)
+        parts = parts + part
+    grads, parts = lax.psum((grads, parts), axis)
+    return ObjectiveOutput(
+        loss=jnp.sum(coefficients * parts),
+        grads=grads,
+        term_losses=parts,
+        term_counts=jnp.stack([n.count for n in norms]),
+        term_denominators=tuple(n.denominators for n in norms),
+    )
+
+
+def make_objective_fn(
+    terms: Sequence[Mapping[str, Any]], mesh: Mesh, axis_name: str = "data"
+) -> Callable[[Params, Microbatch], ObjectiveOutput]:
+    """objective(params, batch) -> ObjectiveOutput, jitted, over the 1-D `mesh`.
+
+    `batch` is [R, M, B, T] with R the mesh size (`jax_impl.lay_out_global_batch`); params
+    hold ``embed`` and the heads and references the terms read.
+    """
+    parsed = parse_terms(terms)
+    world_size = mesh.shape[axis_name]
+
+    def per_rank(params, batch):
+        return _rank_objective(params, batch, parsed, axis_name, world_size)
+
+    mapped = jax.jit(
+        jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P())
+    )
+
+    def objective(params: Params, batch: Microbatch) -> ObjectiveOutput:
+        for term in parsed:
+            kind_params = ("embed", HEAD.get(term.kind, "unembed"))
+            needed = kind_params + (FROZEN_PARAMS if term.kind == "ref_kl" else ())
+            missing = [k for k in needed if k not in params]
+            if missing:
+                raise ValueError(f"term {term.name!r} ({term.kind}) needs params {missing}")
+        return mapped(replicate(dict(params), mesh), shard_batch(batch, mesh, axis_name))
+
+    return objective

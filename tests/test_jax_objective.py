@@ -1,0 +1,131 @@
+"""jax_impl.objective (shard_map, autodiff) vs the numpy closed-form oracle, float64, 1e-12.
+
+x64 is global to a process and the mesh needs 8 host devices, so the JAX side runs in its own
+process: this file run as a script (`python tests/test_jax_objective.py --out F`) computes the
+objective at every layout and pickles the results; the test compares them with
+`crosscheck.contract.objective` computed here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+
+import numpy as np
+import pytest
+from child_env import jax_env, run_script
+from test_objective_oracle import TOP_K, make_params
+
+from crosscheck.contract.objective import objective_loss_and_grad
+from crosscheck.contract.spec import get_spec
+from crosscheck.fixtures.builtin import builtin_fixture
+from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+from jax_impl.objective import parse_terms
+
+# Both sides compute in float64 from the same numbers; they differ only in the order of
+# their sums and where they divide: a few ulps per token, far below 1e-12 over ~500 tokens.
+RTOL = 1e-12
+RANK_MEAN = get_spec("rank_mean").to_dict()
+LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
+TERMS = [
+    {"kind": "ce"},
+    {"kind": "z_loss", "coefficient": 1e-2},
+    {"kind": "entropy", "coefficient": -0.3},
+    {"kind": "ref_kl", "coefficient": 0.5},
+    {"kind": "mtp", "coefficient": 0.3},
+    # Siblings normalized more locally: their own unit denominators, per rank or microbatch.
+    {"kind": "ce", "name": "ce_local", "coefficient": 0.2, "scheme": {"scope": "microbatch"}},
+    # The spec's full dict form, every default written out, reads the same.
+    {"kind": "entropy", "name": "entropy_rank", "coefficient": 0.1, "scheme": RANK_MEAN},
+    {"kind": "moe_lb", "coefficient": 0.8, "top_k": TOP_K},
+    {"kind": "moe_lb", "name": "moe_lb_local", "scope": "microbatch", "top_k": TOP_K},
+]
+
+
+def jax_results() -> dict:
+    """Run in the child: the JAX objective at every layout, as numpy."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    from jax_impl.batch import lay_out_global_batch
+    from jax_impl.objective import make_objective_fn
+    from jax_impl.shard_map_step import data_mesh
+
+    fixture = builtin_fixture("packed")
+    params = make_params(fixture.vocab_size)
+    arrays = {k: getattr(fixture, k) for k in ("inputs", "targets", "segment_ids", "weights")}
+    results = {}
+    for R, M in LAYOUTS:
+        batch = lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
+        out = make_objective_fn(TERMS, data_mesh(R))(params, batch)
+        results[R, M] = jax.tree.map(np.asarray, out._asdict())
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("jax_objective") / "results.pkl"
+    flags = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
+    run_script(__file__, "--out", str(out), env=jax_env(flags), timeout=240, what="JAX worker")
+    with out.open("rb") as f:
+        return pickle.load(f)
+
+
+def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
+    scale = np.abs(expected).max()
+    return float(np.abs(actual - expected).max() / scale) if scale else float(np.abs(actual).max())
+
+
+@pytest.mark.parametrize(("R", "M"), LAYOUTS)
+def test_jax_objective_matches_the_oracle(results, R, M):
+    fixture = builtin_fixture("packed")
+    params = make_params(fixture.vocab_size)
+    expected = objective_loss_and_grad(params, fixture.layout(R, M), TERMS)
+    got = results[R, M]
+    assert rel_err(got["loss"], np.float64(expected.loss)) <= RTOL
+    assert set(got["grads"]) == set(expected.grads) == {"embed", "unembed", "mtp_unembed", "router"}
+    for key, g in expected.grads.items():
+        assert rel_err(got["grads"][key], g) <= RTOL, key
+    for i, term in enumerate(expected.terms):
+        assert rel_err(got["term_losses"][i], np.float64(term.loss)) <= RTOL, term.name
+        assert int(got["term_counts"][i]) == term.count, term.name
+        np.testing.assert_array_equal(got["term_denominators"][i], term.denominators)
+
+
+def term_loss(results: dict, layout: tuple[int, int], name: str) -> float:
+    names = [t.get("name", t["kind"]) for t in TERMS]
+    return float(results[layout]["term_losses"][names.index(name)])
+
+
+def test_microbatch_scope_moe_lb_differs_across_layouts_in_jax_too(results):
+    local = [term_loss(results, layout, "moe_lb_local") for layout in ((1, 1), (4, 2))]
+    assert abs(local[0] - local[1]) >= 1e-4 * local[0]
+    update = [term_loss(results, layout, "moe_lb") for layout in LAYOUTS]
+    assert max(update) - min(update) <= RTOL * update[0]
+
+
+@pytest.mark.parametrize(
+    ("term", "message"),
+    [
+        ({"kind": "ce", "scheme": get_spec("sequence_mean").to_dict()}, "token-count schemes"),
+        ({"kind": "ce", "scheme": {"denominator": {"kind": "one"}}}, "token-count schemes"),
+        ({"kind": "ce", "scheme": {"scope": "everywhere"}}, "token-count schemes"),
+        ({"kind": "ce", "coefficient": True}, "not a number"),
+        ({"kind": "moe_lb"}, "positive top_k"),
+        ({"kind": "ce", "top_k": 2, "typo": 1}, "unknown keys"),
+    ],
+)
+def test_jax_refuses_terms_it_does_not_compute(term, message):
+    with pytest.raises(ValueError, match=message):
+        parse_terms([term])
+    scopes = [t.scope for t in parse_terms([{"kind": "ce", "scheme": RANK_MEAN}, {"kind": "mtp"}])]
+    assert scopes == ["rank", "update"]
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    with open(parser.parse_args().out, "wb") as f:
+        pickle.dump(jax_results(), f)
+    sys.exit(0)

@@ -1,0 +1,130 @@
+"""The multi-term bug patterns as buggy JAX steps, named by `diagnose_objective`; float64.
+
+x64 is global to a process and the mesh needs 8 host devices, so the JAX side runs in its own
+process (as in tests/test_jax_objective.py): this file run as a script computes every step's
+gradient and pickles it; the tests diagnose them here against the numpy oracle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+
+import numpy as np
+import pytest
+from child_env import jax_env, run_script
+from test_objective_oracle import TOP_K, make_params
+
+from crosscheck.diagnosis.objective_diagnosis import diagnose_objective
+from crosscheck.fixtures.builtin import builtin_fixture
+from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+
+FIXTURE = "packed"
+TERMS = [
+    {"kind": "ce"},
+    {"kind": "z_loss", "coefficient": 0.1},
+    {"kind": "mtp", "coefficient": 0.3},
+    {"kind": "moe_lb", "coefficient": 0.5, "top_k": TOP_K},
+]
+CORRECT_LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
+#: Layouts where each pattern shows: R M > 1 for the scopes and local statistics, R > 1 for
+#: the world-size factor; the others show at every layout.
+BUG_LAYOUTS = [(2, 2), (4, 1)]
+BUGS = [
+    ("sibling-term-scope", "z_loss"),
+    ("shifted-aux-count", "mtp"),
+    ("aux-world-size-factor", "moe_lb"),
+    ("aux-global-count-local-stats", "moe_lb"),
+    ("aux-coefficient-twice", "z_loss"),
+]
+#: Where a pattern coincides with the intended objective: the step is correct there.
+COINCIDING = [("aux-world-size-factor", "moe_lb", (1, 2)), ("sibling-term-scope", "z_loss", (1, 1))]
+
+
+def jax_results() -> dict:
+    """Run in the child: every step's gradient, as numpy."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    from jax_impl.batch import lay_out_global_batch
+    from jax_impl.harness.objective_bugs import make_objective_bug_fn
+    from jax_impl.objective import make_objective_fn
+    from jax_impl.shard_map_step import data_mesh
+
+    fixture = builtin_fixture(FIXTURE)
+    params = make_params(fixture.vocab_size)
+    arrays = {k: getattr(fixture, k) for k in ("inputs", "targets", "segment_ids", "weights")}
+
+    def batch(R: int, M: int):
+        return lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
+
+    results = {}
+    for R, M in CORRECT_LAYOUTS:
+        out = make_objective_fn(TERMS, data_mesh(R))(params, batch(R, M))
+        results["intended", None, (R, M)] = jax.tree.map(np.asarray, out.grads)
+    runs = [(p, t, layout) for p, t in BUGS for layout in BUG_LAYOUTS] + COINCIDING
+    for pattern, target, (R, M) in runs:
+        grads = make_objective_bug_fn(pattern, TERMS, target, data_mesh(R))(params, batch(R, M))
+        results[pattern, target, (R, M)] = jax.tree.map(np.asarray, grads)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("jax_objective_bugs") / "results.pkl"
+    flags = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
+    run_script(__file__, "--out", str(out), env=jax_env(flags), timeout=240, what="JAX worker")
+    with out.open("rb") as f:
+        return pickle.load(f)
+
+
+def diagnose(grads, R: int, M: int):
+    fixture = builtin_fixture(FIXTURE)
+    params = make_params(fixture.vocab_size)
+    return diagnose_objective(params, fixture.layout(R, M), TERMS, grads)
+
+
+@pytest.mark.parametrize(("R", "M"), CORRECT_LAYOUTS)
+def test_the_correct_jax_step_is_named_intended_at_every_layout(results, R, M):
+    d = diagnose(results["intended", None, (R, M)], R, M)
+    assert d.best_match == "intended", (d.explanation, d.candidate_errors)
+    assert d.intended_error <= 1e-13
+    assert all(abs(s - 1) <= 1e-12 for s in d.term_scales.values()), d.term_scales
+
+
+@pytest.mark.parametrize("layout", BUG_LAYOUTS)
+@pytest.mark.parametrize(("pattern", "target"), BUGS)
+def test_each_buggy_jax_step_is_detected_and_named(results, pattern, target, layout):
+    d = diagnose(results[pattern, target, layout], *layout)
+    assert not d.intended_fits
+    assert d.intended_error >= 1e-6  # far beyond rounding: a real error
+    assert d.best_match == f"{pattern}({target})", (d.explanation, d.candidate_errors)
+    assert d.candidate_errors[d.best_match] <= 1e-12
+
+
+@pytest.mark.parametrize(("pattern", "target", "layout"), COINCIDING)
+def test_a_pattern_that_coincides_with_the_intended_objective_names_nothing(
+    results, pattern, target, layout
+):
+    d = diagnose(results[pattern, target, layout], *layout)
+    assert d.best_match == "intended", (d.explanation, d.candidate_errors)
+
+
+def test_jax_sibling_scope_recovers_the_local_unit_weights(results):
+    """At (4, 1) the z-loss of rank r weighs n / (R n_r) of its intended weight."""
+    fixture = builtin_fixture(FIXTURE)
+    batch = fixture.layout(4, 1)
+    d = diagnose(results["sibling-term-scope", "z_loss", (4, 1)], 4, 1)
+    n_r = (batch.targets != -100).reshape(4, -1).sum(axis=1)
+    np.testing.assert_allclose(d.rank_weights["z_loss"], n_r.sum() / (4 * n_r), rtol=1e-9)
+    np.testing.assert_allclose(d.rank_weights["ce"], 1.0, rtol=1e-9)
+    assert d.residual <= 1e-13
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    with open(parser.parse_args().out, "wb") as f:
+        pickle.dump(jax_results(), f)
+    sys.exit(0)
