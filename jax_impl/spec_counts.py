@@ -30,10 +30,9 @@ reduced. ``power_sum`` sums over the non-empty groups of u of n_{G'}^(-alpha') w
 the weight's count scope; with f the finer of U and that scope it is, token by token,
 :math:`\sum_{t \in u,\ m'_t = 1} n_{cs}(t)^{-\alpha'} / n_f(t)` (each group's n_f tokens in
 a piece f add up to one term), except for id groupings counted at update scope with U =
-update, taken from the update's vector. When a group or document spans several units of a
-count scope finer than U (count_scope microbatch, U = update), each of its pieces is a term
-with its own count: docs/schemes-as-data.md leaves that case open (one count per group is not
-defined there), and numpy's oracle takes one count per group instead.
+update, taken from the update's vector. A group or document counted in several units of a
+count scope finer than U (count_scope microbatch, U = update) adds one term per unit, each
+with its own count, as docs/schemes-as-data.md says.
 """
 
 from __future__ import annotations

@@ -66,6 +66,15 @@ EXTRA_SPECS: dict[str, dict] = {
         "weight": {"group": "group", "alpha": 0.5},
         "denominator": {"kind": "power_sum", "group": "group", "alpha": 0.5},
     },
+    # A group counted in two microbatches is two terms of D, each with its own count.
+    "power_group_count_microbatch": {
+        "weight": {"group": "group", "count_scope": "microbatch"},
+        "denominator": {"kind": "power_sum", "group": "group"},
+    },
+    "power_document_count_rank": {
+        "weight": {"group": "document", "count_scope": "rank", "alpha": 0.5},
+        "denominator": {"kind": "power_sum", "group": "document", "alpha": 0.5},
+    },
     "power_group_rank": {
         "weight": {"group": "group", "count_scope": "rank"},
         "denominator": {"kind": "power_sum", "group": "group"},
