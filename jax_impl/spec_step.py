@@ -169,8 +169,9 @@ def spec_rank_gradients(
             total_count, slots = reduced
             D = _assemble(spec, total_count, exact_sum(slots), parts)
             grads, local_loss = accumulate_microbatches(params, rank_batch, a, _unit_scale(D, s, 1))
-            reduce = jax.lax.pmean if collective is Collective.PMEAN else jax.lax.psum
-            grads, total_loss = reduce(grads, axis_name), jax.lax.psum(local_loss, axis_name)
+            reduce_grads = jax.lax.pmean if collective is Collective.PMEAN else jax.lax.psum
+            grads = reduce_grads(grads, axis_name)
+            total_loss = jax.lax.psum(local_loss, axis_name)
         else:
             one = jnp.ones((), dtype)
             grad_sums, local_loss = accumulate_microbatches(params, rank_batch, a, one)
@@ -184,19 +185,34 @@ def spec_rank_gradients(
         loss = jnp.where(D > 0, total_loss / safe_denominator(D), 0)
         return RankGradients(grads, local_valid, local_loss, D, loss)
 
-    # U = rank or microbatch: every unit's D is local.
+    # U = rank or microbatch: every unit's D is local, and so is its normalization.
     D_units = jnp.broadcast_to(_local_denominators(spec, parts), (M,))
-    numerator = 1 if strategy is Strategy.POSTNORM else s
-    # local_loss: the rank's sum over its units of (sum a l) / D_u.
-    grads, local_loss = _scan_scaled(
-        params, rank_batch, a, _unit_scale(D_units, numerator, K), _unit_scale(D_units, 1, 1)
-    )
-    if strategy is Strategy.POSTNORM or collective is Collective.PSUM:
-        grads = jax.lax.psum(grads, axis_name)
-    else:
-        grads = jax.lax.pmean(grads, axis_name)
-    total = jax.lax.psum(local_loss, axis_name)
+    inverse_D = _unit_scale(D_units, 1, 1)
     K_ = jnp.asarray(K, dtype)
+    if strategy is Strategy.PRECOUNT:
+        # Each microbatch's sum scaled by s / (K D_u) before its backward, then the collective.
+        grads, local_loss = _scan_scaled(
+            params, rank_batch, a, _unit_scale(D_units, s, K), inverse_D
+        )
+        grads = (jax.lax.pmean if collective is Collective.PMEAN else jax.lax.psum)(
+            grads, axis_name
+        )
+    elif spec.scope == "rank":
+        # The rank's unnormalized sum, divided by its own D_r, summed over ranks, / K.
+        one = jnp.ones((), dtype)
+        grad_sums, loss_sum = accumulate_microbatches(params, rank_batch, a, one)
+        D_r = D_units[0]
+        grads = divide_by_denominator(grad_sums, safe_denominator(D_r))
+        grads = jax.tree.map(lambda g: jnp.where(D_r > 0, g, jnp.zeros_like(g)), grads)
+        grads = divide_by_denominator(jax.lax.psum(grads, axis_name), K_)
+        local_loss = loss_sum * inverse_D[0]
+    else:
+        # A microbatch's own D_rm is applied where its sum is formed (the accumulation adds
+        # the microbatches' normalized gradients); summed over ranks, then / K.
+        grads, local_loss = _scan_scaled(params, rank_batch, a, inverse_D, inverse_D)
+        grads = divide_by_denominator(jax.lax.psum(grads, axis_name), K_)
+    # local_loss: the rank's sum over its units of (sum a l) / D_u.
+    total = jax.lax.psum(local_loss, axis_name)
     return RankGradients(grads, local_valid, local_loss, K_, total / K_)
 
 
