@@ -42,6 +42,8 @@ from jax_impl.shard_map_step import (
     replicate,
     shard_batch,
 )
+from jax_impl.spec_batch import lay_out_spec_batch, spec_rank_slice
+from jax_impl.spec_step import spec_step_config
 from jax_impl.update import StepConfig, SweepFn, UpdateResult, apply_optimizer
 
 WORKER_TIMEOUT_S = 60  # jax.distributed's own waits (initialization, heartbeat, shutdown)
@@ -123,11 +125,15 @@ def _run_schemes(
     prefix: str,
     results: dict[str, np.ndarray],
     stall_marker: Path | None = None,
+    labels: Sequence[tuple[str, str]] = (),
 ) -> None:
-    """`num_updates` consecutive updates per scheme, every variant from the same start."""
+    """`num_updates` consecutive updates per scheme, every variant from the same start.
+
+    `labels`: (key, scheme) pairs to run instead of the spec's schemes (a scheme spec's
+    sweep ignores the scheme; its key is ``spec<k>``)."""
     state0 = init_opt_state(configs[0].optimizer, params0)
     pending: list[tuple[str, UpdateResult]] = []
-    for scheme in spec["schemes"]:
+    for label, scheme in labels or [(scheme, scheme) for scheme in spec["schemes"]]:
         params, states = [params0] * len(configs), [state0] * len(configs)
         for update in range(spec["num_updates"]):
             reduced = sweep(params, batch, scheme)
@@ -141,7 +147,7 @@ def _run_schemes(
                 out = apply_optimizer(reduced[v], params[v], states[v], config)
                 params[v], states[v] = out.params, out.opt_state
                 name = variant_name(config.strategy.value, config.collective.value)
-                pending.append((f"{prefix}/{name}/{scheme}/{update}", out))
+                pending.append((f"{prefix}/{name}/{label}/{update}", out))
     # Read back only after everything was dispatched: a host sync per update would make every
     # process wait for the slowest peer's compile and collective at each step.
     for key, out in pending:
@@ -166,6 +172,17 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
         for strategy, collective in spec["variants"]
     ]
     sweep = make_shard_map_sweep(configs, mesh)
+    # ``scheme_specs``: contract v2 specs (their dicts), one sweep of every variant each.
+    spec_sweeps = []
+    for scheme_spec in spec.get("scheme_specs", []):
+        spec_configs = [
+            spec_step_config(
+                scheme_spec, optimizer, strategy=strategy, collective=collective,
+                max_grad_norm=spec.get("max_grad_norm"),
+            )
+            for strategy, collective in spec["variants"]
+        ]  # fmt: skip
+        spec_sweeps.append((make_shard_map_sweep(spec_configs, mesh), spec_configs))
     results: dict[str, np.ndarray] = {"rank": np.asarray(rank)}
     stall = (
         out_path.with_suffix(".stalled")
@@ -191,6 +208,19 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
             _run_schemes(
                 sweep, configs, params0, batch, spec, f"{case_index}/{dtype}", results, stall
             )
+            if spec_sweeps:
+                # Contract v2 (docs/schemes-as-data.md): the same rows with their v2 fields.
+                spec_batch = lay_out_spec_batch(
+                    arrays, mesh.size, case["accum_steps"],
+                    vocab_size=arrays["embed"].shape[0],
+                    weights_dtype=np.dtype(denominator_dtype().name),
+                )  # fmt: skip
+                spec_batch = shard_batch(spec_rank_slice(spec_batch, rank), mesh)
+                for k, (spec_sweep, spec_configs) in enumerate(spec_sweeps):
+                    _run_schemes(
+                        spec_sweep, spec_configs, params0, spec_batch, spec,
+                        f"{case_index}/{dtype}", results, labels=[(f"spec{k}", "token_mean")],
+                    )  # fmt: skip
     write_atomically(out_path, pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL))
 
 
