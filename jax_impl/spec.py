@@ -171,10 +171,11 @@ def parse_spec(spec: Mapping[str, Any] | SchemeSpec | str) -> SchemeSpec:
         return named_spec(spec)
     if not isinstance(spec, Mapping):
         raise ValueError(f"a spec is a dict, a SchemeSpec or a name, got {spec!r}")
-    unknown = sorted(set(spec) - {"weight", "denominator", "scope"})
+    # "name" is a label (the exported vectors' manifest writes it), not part of the math.
+    unknown = sorted(set(spec) - {"weight", "denominator", "scope", "name"})
     if unknown:
         raise ValueError(
-            f"spec has unknown key(s) {unknown}; allowed keys: weight, denominator, scope"
+            f"spec has unknown key(s) {unknown}; allowed keys: weight, denominator, scope, name"
         )
     w = _section(spec, "weight", ("mask", "soft", "group", "alpha", "count_scope"))
     d = _section(spec, "denominator", ("kind", "group", "mask", "alpha", "value"))

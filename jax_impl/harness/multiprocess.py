@@ -12,7 +12,9 @@ A worker runs a *spec* (JSON), plain data so that no harness code enters the wor
 number of processes), ``dtypes``, ``schemes``, ``variants`` (``[[strategy, collective]]``),
 ``optimizer`` (``{"name": "adamw" | "sgd", **hyperparameters}``), ``max_grad_norm``,
 ``num_updates``, ``x64``, optionally ``scheme_specs`` (contract v2 spec dicts, run on the
-cases' rows with their v2 fields, keyed ``spec<k>`` in place of a scheme) and, for tests,
+cases' rows with their v2 fields, keyed ``spec<k>`` in place of a scheme, all in one
+compiled sweep; ``spec_id_space``, ``{"num_groups": G, "num_documents": D}``, lays every
+fixture out in one id space) and, for tests,
 ``fail_process`` (that process exits with 3 right after joining) and ``stall_process`` (that
 process blocks for an hour after its first update's gradients, having written its pid to
 ``process<i>.stalled``: a test kills it there).
