@@ -81,7 +81,7 @@ def test_the_rows_are_printed_after_their_title_and_counted(rows):
         console = Console(file=io.StringIO(), width=width, color_system=None)
         print_catalogue(console, run)
         text = console.file.getvalue()
-        assert OBJECTIVE_TITLE in text.replace("\n", " ") or "multi-term objective" in text
+        assert OBJECTIVE_TITLE.split(":")[0] in text
         assert f"{len(rows)} of {len(rows)} multi-term buggy steps detected and named" in text
         assert "aux-global-count-local-stats(moe_lb)" in text
     assert catalogue_exit_code(run) == exit_codes.OK

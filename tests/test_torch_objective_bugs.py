@@ -32,6 +32,8 @@ from torch_impl.objective_terms import parse_terms
 LAUNCH_TIMEOUT_S = 180.0
 #: Where torch's DDP idiom coincides with the intended objective: the step is correct there.
 COINCIDING = [("aux-world-size-factor", "moe_lb", (1, 2)), ("sibling-term-scope", "z_loss", (1, 1))]
+#: The world-size factor on a per-token term: each rank evaluates the gathered rows' term.
+PER_TOKEN_FACTOR = ("aux-world-size-factor", "mtp", (2, 2))
 
 
 def _case(pattern: str, target: str | None, R: int, M: int) -> ObjectiveBugCase:
@@ -51,6 +53,7 @@ def _case(pattern: str, target: str | None, R: int, M: int) -> ObjectiveBugCase:
 def _cases(R: int) -> list[tuple[str, str | None, tuple[int, int]]]:
     runs = [(INTENDED, None, layout) for layout in CORRECT_LAYOUTS]
     runs += [(p, t, layout) for p, t in BUGS for layout in BUG_LAYOUTS] + COINCIDING
+    runs.append(PER_TOKEN_FACTOR)
     return [run for run in runs if run[2][0] == R]
 
 
@@ -102,6 +105,12 @@ def test_a_torch_pattern_that_coincides_with_the_intended_objective_names_nothin
 ):
     d = diagnose((pattern, target, layout))
     assert d.best_match == "intended", (d.explanation, d.candidate_errors)
+
+
+def test_the_world_size_factor_on_a_per_token_term_is_named_with_scale_r():
+    d = diagnose(PER_TOKEN_FACTOR)
+    assert d.best_match == "aux-world-size-factor(mtp)", (d.explanation, d.candidate_errors)
+    assert abs(d.term_scales["mtp"] - 2) <= 1e-12 and abs(d.term_scales["ce"] - 1) <= 1e-12
 
 
 def test_torch_sibling_scope_recovers_the_local_unit_weights():
