@@ -6,6 +6,8 @@ jax.distributed with the precount and postnorm strategies, and a token-weighted 
 transformation for optax. Params may be float64 (under ``jax_enable_x64``), float32 or
 bfloat16; counts, d, D, the loss sums and g / D never take the params' dtype
 (`jax_impl.denominators`: int32 counts, float64 under x64 else float32 for the rest).
+Contract v2's scheme specs (docs/schemes-as-data.md): `parse_spec`, `lay_out_spec_batch`
+and `spec_step_config` (`jax_impl.spec`, `spec_batch`, `spec_counts`, `spec_step`).
 Independent of `crosscheck` on purpose: the harness imports this package, never the reverse.
 """
 
@@ -34,6 +36,9 @@ from jax_impl.shard_map_step import (
     replicate,
     shard_batch,
 )
+from jax_impl.spec import SchemeSpec, named_spec, parse_spec
+from jax_impl.spec_batch import SpecBatch, lay_out_spec_batch
+from jax_impl.spec_step import SpecGradients, spec_step_config
 from jax_impl.token_weighted import TokenWeightedState, token_weighted_accumulation
 from jax_impl.update import (
     ReducedGradients,
@@ -53,6 +58,9 @@ __all__ = [
     "RankGradients",
     "ReducedGradients",
     "Scheme",
+    "SchemeSpec",
+    "SpecBatch",
+    "SpecGradients",
     "StepConfig",
     "Strategy",
     "TokenWeightedState",
@@ -64,6 +72,7 @@ __all__ = [
     "denominator_dtype",
     "init_opt_state",
     "lay_out_global_batch",
+    "lay_out_spec_batch",
     "local_mean_loss",
     "make_global_gradients",
     "make_global_sweep",
@@ -76,7 +85,9 @@ __all__ = [
     "make_shard_map_update",
     "microbatch_loss",
     "microbatch_mean_gradients",
+    "named_spec",
     "params_from_numpy",
+    "parse_spec",
     "rank_gradients",
     "rank_mean_gradients",
     "rank_slice",
@@ -85,6 +96,7 @@ __all__ = [
     "require_devices",
     "scheme_terms",
     "shard_batch",
+    "spec_step_config",
     "token_losses",
     "token_weighted_accumulation",
     "validate_global_batch",

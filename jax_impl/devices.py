@@ -29,9 +29,10 @@ def require_devices(world_size: int) -> list[jax.Device]:
 
 
 def check_rank_axis(batch: Microbatch, world_size: int, where: str) -> None:
-    """Every array of `batch` must be [R, M, B, T] with R = world_size."""
-    for name, array in zip(Microbatch._fields, batch, strict=True):
-        shape: Sequence[int] = np.shape(array)
+    """Every token array of `batch` must be [R, M, B, T] with R = world_size (a
+    `jax_impl.spec_batch.SpecBatch` is checked by the same four fields)."""
+    for name in Microbatch._fields:
+        shape: Sequence[int] = np.shape(getattr(batch, name))
         if len(shape) != 4 or shape[0] != world_size:
             raise ValueError(
                 f"{where}: batch.{name} must be [R={world_size}, M, B, T], got shape "

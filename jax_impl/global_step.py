@@ -113,10 +113,12 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
     """
     configs = check_sweep(configs)
     for config in configs:
+        # A per-rank gradient that knows its global-view form (a spec's,
+        # `jax_impl.spec_step.SpecGradients.global_view`) is taken; any other is refused.
         if (
             config.collective is not Collective.PSUM
             or config.reduce_factor is not None
-            or config.gradients is not None
+            or (config.gradients is not None and not hasattr(config.gradients, "global_view"))
         ):
             raise ValueError(
                 "global-view jit writes the global sum directly: it takes no collective, "
@@ -125,12 +127,16 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
                 f"reduce_factor={config.reduce_factor!r}, gradients={config.gradients!r}"
             )
     (axis,) = mesh.axis_names
-    strategies = [config.strategy for config in configs]
+
+    def one(config: StepConfig, p, batch, scheme, constant_normalizer) -> ReducedGradients:
+        if config.gradients is not None:
+            return config.gradients.global_view(p, batch, axis)
+        return global_gradients(p, batch, scheme, constant_normalizer, strategy=config.strategy)
 
     def all_strategies(params, batch, scheme, constant_normalizer):
         return tuple(
-            global_gradients(p, batch, scheme, constant_normalizer, strategy=strategy)
-            for strategy, p in zip(strategies, params, strict=True)
+            one(config, p, batch, scheme, constant_normalizer)
+            for config, p in zip(configs, params, strict=True)
         )
 
     jitted = jax.jit(all_strategies)

@@ -74,7 +74,8 @@ def shard_batch(batch: Microbatch, mesh: Mesh, axis_name: str = "data") -> Micro
         global_shape = (world_size, *np.shape(x)[1:])
         return _place(x, sharding, global_shape)
 
-    return Microbatch(*(place(x) for x in batch))
+    # tree.map: a Microbatch, or a SpecBatch with its [R, M, B] row fields, alike.
+    return jax.tree.map(place, batch)
 
 
 def rank_varying(params: Params, axis_name: str) -> Params:

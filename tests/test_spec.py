@@ -267,3 +267,20 @@ def test_v2_fields_round_trip_and_v1_files_keep_six_keys(tmp_path: Path) -> None
 def test_bad_v2_fields_are_named_where_they_are(fields: dict, message: str) -> None:
     with pytest.raises(FixtureError, match=message):
         _hand_fixture(GROUPS, **fields)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"weight": {"group": "row"}, "denominator": {"kind": "all_groups", "group": "microbatch"}},
+        {"denominator": {"kind": "groups", "group": "rank"}},
+        {
+            "weight": {"group": "row", "count_scope": "microbatch"},
+            "denominator": {"kind": "power_sum", "group": "group", "alpha": 0.5},
+        },
+    ],
+)
+def test_a_denominator_that_counts_what_the_layout_cuts_is_not_invariant(spec):
+    assert not SchemeSpec.from_dict(spec).layout_invariant
+    fixture = builtin_fixture("rollouts")
+    assert not np.array_equal(_weights(fixture, spec, 1, 1), _weights(fixture, spec, 2, 2))

@@ -6,7 +6,8 @@ goes through verification (against the intended scheme, at the precision its own
 through the diagnosis, which must name the pattern. The same run measures how small a distortion
 verification still flags: a correct token-mean step whose rank 0 loss is scaled by a skew
 (``rank-skew``); the skew 1 run's measured noise gives the minimum detectable skew of its
-framework and dtype, and the other skews must fall on the side of it they are on.
+framework and dtype, and the other skews must fall on the side of it they are on. The multi-term
+rows (`crosscheck.bugs.objective_catalogue`) follow them; they run beside the single-term steps.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import importlib
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from crosscheck.bugs.objective_catalogue import (
+    OBJECTIVE_PATTERNS,
+    ObjectiveBugResult,
+    run_objective_catalogue,
+)
+from crosscheck.bugs.objective_steps import ObjectiveBugRun, Outcome
 from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.diagnosis.diagnose import Diagnosis, diagnose
 from crosscheck.diagnosis.patterns import (
@@ -236,15 +243,18 @@ class CatalogueRun:
     skews: list[SkewResult]
     #: (framework, dtype) -> measured minimum detectable skew minus 1.
     minimum_skew: dict[tuple[str, str], float]
+    #: The multi-term rows, after the single-term ones.
+    objectives: list[ObjectiveBugResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results) and all(s.ok for s in self.skews)
+        return all(r.ok for r in [*self.results, *self.skews, *self.objectives])
 
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "results": [r.to_json() for r in self.results],
+            "objective_results": [r.to_json() for r in self.objectives],
             "skew": {
                 "fixture": SKEW_FIXTURE,
                 "world_size": SKEW_LAYOUT[0],
@@ -295,6 +305,7 @@ def run_catalogue(
     patterns: Sequence[str] | None = None,
     outputs: Mapping[BugRun, BugOutput | BaseException] | None = None,
     fixtures: Sequence[str] | None = None,
+    objective_outputs: Mapping[ObjectiveBugRun, Outcome] | None = None,
 ) -> CatalogueRun:
     """Run the catalogue (optionally some patterns only) and the skew runs, and judge them.
 
@@ -302,25 +313,32 @@ def run_catalogue(
     each pattern runs at its layouts that divide them (the skew runs stay on their own
     fixture: they measure sensitivity). `outputs`, when given, holds the steps' results
     already (tests share one run); runs it lacks are run now. Every planned run must come
-    back: one that does not is a failure row saying so, never a silent gap.
+    back: one that does not is a failure row saying so, never a silent gap. The multi-term
+    rows (`patterns` may name them too; `objective_outputs` as `outputs`) stay on their own
+    fixture and layouts, and run in a thread beside the single-term steps.
     """
     for name in patterns or ():
-        if name not in PATTERNS:
-            raise ValueError(f"unknown pattern {name!r}; known: {', '.join(PATTERNS)}")
+        if name not in PATTERNS and name not in OBJECTIVE_PATTERNS:
+            known = ", ".join([*PATTERNS, *OBJECTIVE_PATTERNS])
+            raise ValueError(f"unknown pattern {name!r}; known: {known}")
     for framework in frameworks:
         if framework not in _RUNNERS:
             raise ValueError(f"unknown framework {framework!r}; known: {', '.join(_RUNNERS)}")
     runs = [r for r in catalogue_runs(frameworks) if patterns is None or r.pattern in patterns]
-    if fixtures:
+    if fixtures and runs:
         runs = _on_fixtures(runs, fixtures)
-    if not runs:
+    if not runs and not (patterns is None or set(patterns) & set(OBJECTIVE_PATTERNS)):
         raise ValueError(
             f"no catalogue run for patterns {', '.join(patterns or ())} in "
             f"{', '.join(frameworks)}: nothing would be checked"
         )
     skews = skew_runs(frameworks)
     known = dict(outputs or {})
-    known.update(run_steps([run for run in runs + skews if run not in known]))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # Every launch and worker it starts is bounded (crosscheck.bugs.objective_steps).
+        rows = pool.submit(run_objective_catalogue, frameworks, patterns, objective_outputs)
+        known.update(run_steps([run for run in runs + skews if run not in known]))
+        objective_rows = rows.result()
     missing = RuntimeError("planned but never reported by its runner")
     outputs = {run: known.get(run, missing) for run in runs + skews}
     minimum = measured_minimum(outputs)
@@ -328,4 +346,5 @@ def run_catalogue(
         results=[judge(run, outputs[run]) for run in runs],
         skews=[judge_skew(run, outputs[run], minimum) for run in skews],
         minimum_skew=minimum,
+        objectives=objective_rows,
     )

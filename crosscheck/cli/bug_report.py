@@ -1,5 +1,5 @@
-"""`python -m crosscheck bugs`: the catalogue table, the sensitivity lines, the JSON and the
-exit status (`catalogue_exit_code`)."""
+"""`python -m crosscheck bugs`: the catalogue table, the sensitivity lines, the multi-term
+table, the JSON and the exit status (`catalogue_exit_code`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ from crosscheck.bugs.catalogue_run import (
     SKEW_LAYOUT,
     CatalogueRun,
 )
-from crosscheck.cli.report import cuts_a_cell
+from crosscheck.bugs.objective_catalogue import ObjectiveBugResult
+from crosscheck.cli.report import cuts_a_cell, fitted
+
+OBJECTIVE_TITLE = "multi-term objective bugs: one auxiliary term weighted wrongly, diagnosed"
 
 
 def _num(value: float, spec: str) -> str:
@@ -95,6 +98,58 @@ def catalogue_table(run: CatalogueRun) -> Table:
     return table
 
 
+def _objective_verdict(r: ObjectiveBugResult) -> tuple[str, str]:
+    """(diagnosed as, result) cells of a multi-term row: a wrong name in red."""
+    named = r.diagnosed_as if r.diagnosed_as == r.run.named else f"[red]{r.diagnosed_as}[/]"
+    if r.ok:
+        return named, "[green]named[/]"
+    if r.error:
+        return named, "[red]FAIL[/]: did not run"
+    return named, "[red]FAIL[/]: " + ("misnamed" if r.detected else "not detected")
+
+
+def objective_table(rows: list[ObjectiveBugResult], compact: bool = False) -> Table:
+    """One row per (pattern, framework, fixture, layout): detected (the intended objective does
+    not fit) and named (the pattern on its term). `compact` stacks a row in two cells, the
+    names in the first, so that no name is cut on a narrow terminal."""
+    table = Table(title=OBJECTIVE_TITLE)
+    if compact:
+        table.add_column("pattern(term)\nrun\ndiagnosed as", no_wrap=True)
+        table.add_column("result\nvs intended", justify="right", no_wrap=True)
+    else:
+        for column in ("pattern(term)", "framework", "fixture", "layout", "detected"):
+            table.add_column(column, no_wrap=column != "detected")
+        table.add_column("diagnosed as", no_wrap=True)
+        table.add_column("vs intended", justify="right")
+        table.add_column("result", justify="right")
+    for r in rows:
+        layout = f"R={r.run.world_size},M={r.run.accum_steps}"
+        named, verdict = _objective_verdict(r)
+        error = _num(r.intended_error, ".2e")
+        if compact:
+            run = f"{r.run.named}\n{r.run.framework} {r.run.fixture} {layout}\n{named}"
+            table.add_row(run, f"{verdict}\n{error}")
+        else:
+            detected = "yes" if r.detected else "[red]no[/]"
+            cells = (r.run.named, r.run.framework, r.run.fixture, layout, detected, named)
+            table.add_row(*cells, error, verdict)
+    return table
+
+
+def print_objective_rows(console: Console, rows: list[ObjectiveBugResult]) -> None:
+    """The multi-term table, why any step did not run, and how many were named."""
+    if not rows:
+        return
+    console.print(fitted(console, objective_table(rows), lambda: objective_table(rows, True)))
+    for r in rows:
+        if r.error:
+            console.print(
+                f"[red]FAIL[/] {escape(r.run.describe())}: {escape(_first_line(r.error))}"
+            )
+    named = sum(r.ok for r in rows)
+    console.print(f"{named} of {len(rows)} multi-term buggy steps detected and named")
+
+
 def skew_lines(run: CatalogueRun) -> list[str]:
     R, M = SKEW_LAYOUT
     lines = [
@@ -120,7 +175,8 @@ def skew_lines(run: CatalogueRun) -> list[str]:
 def print_catalogue(console: Console, run: CatalogueRun) -> None:
     wide = catalogue_table(run)
     compact = cuts_a_cell(console, wide)
-    console.print(compact_catalogue_table(run) if compact else wide)
+    if run.results:  # none when only multi-term patterns were asked for
+        console.print(compact_catalogue_table(run) if compact else wide)
     if compact:
         # The compact table has no room for why a step did not run: one line each here.
         for r in run.results:
@@ -130,6 +186,7 @@ def print_catalogue(console: Console, run: CatalogueRun) -> None:
                 )
     for line in skew_lines(run):
         console.print(line)
+    print_objective_rows(console, run.objectives)
     named = sum(r.ok for r in run.results)
     must = [s for s in run.skews if s.run.skew == SKEW and s.run.dtype in SKEW_FLAGGED_AT]
     flagged = bool(must) and all(s.flagged for s in must)
@@ -147,7 +204,8 @@ def catalogue_exit_code(run: CatalogueRun) -> int:
     """OK; MISMATCH when some buggy step ran and was not detected and named (or a skew run
     was judged wrongly); STEP_FAILED when every failure is a step that could not be run (a
     skew run without a measured minimum counts as such: the correct run it needs did not)."""
-    mismatched = any(not r.ok and not r.error for r in run.results) or any(
+    rows = [*run.results, *run.objectives]
+    mismatched = any(not r.ok and not r.error for r in rows) or any(
         not s.ok and not s.error and math.isfinite(s.minimum) for s in run.skews
     )
     return exit_codes.of_outcome(run.ok, mismatched)

@@ -164,7 +164,19 @@ class SchemeSpec:
         local_count = self.weight.group in SPANNING_GROUPINGS and (
             self.weight.count_scope != "update" or self.weight.group in ("microbatch", "rank")
         )
-        return self.scope == "update" and not local_count
+        d = self.denominator
+        counted = d.kind in ("groups", "all_groups", "power_sum")
+        # D counting microbatches or ranks counts the layout itself; a power sum of spanning
+        # groups counted more locally than the update sums pieces that the layout cuts.
+        local_denominator = counted and (
+            d.group in ("microbatch", "rank")
+            or (
+                d.kind == "power_sum"
+                and d.group in SPANNING_GROUPINGS
+                and self.weight.count_scope != "update"
+            )
+        )
+        return self.scope == "update" and not local_count and not local_denominator
 
     def effective_weights(self, batch: LaidOutBatch) -> np.ndarray:
         """c_t = a_t / D_u(t) / K for every token, [R, M, B, T] float64 (0 where D_u = 0)."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
 from crosscheck.launch.workers import jax_launch, jax_worker_env, worker_zygote
@@ -47,8 +48,8 @@ def why_unsupported(case: Case) -> str:
     without the case's coordinates: the harness groups skips by it."""
     if case.dtype not in DTYPES:
         return f"the JAX reference runs {', '.join(DTYPES)}, not {case.dtype}"
-    if case.scheme not in V1_SCHEMES:
-        return "the JAX matrix runs v1's schemes by name; trainer modes run in torch"
+    if case.scheme not in V1_SCHEMES and case.dtype != "float64":
+        return "the matrix runs trainer modes (scheme specs) in float64"
     accidental = case.scheme in ("rank_mean", "microbatch_mean")
     if case.impl == "jax-multiprocess":
         if case.world_size not in MULTIPROCESS_SIZES:
@@ -96,9 +97,11 @@ def _run_in_process(
         on_done(case, JaxCaseError(result) if isinstance(result, str) else result)
 
 
-def _multiprocess_output(case: Case, per_process: list[dict], index: int, n: int) -> CaseOutput:
+def _multiprocess_output(
+    case: Case, per_process: list[dict], index: int, n: int, label: str
+) -> CaseOutput:
     variant = "precount-pmean" if case.strategy == "precount" else "postnorm-psum"
-    key = f"{index}/{case.dtype}/{variant}/{case.scheme}"
+    key = f"{index}/{case.dtype}/{variant}/{label}"
     first = per_process[0]
     metrics = []
     for update in range(n):
@@ -133,6 +136,7 @@ def _run_multiprocess(
     from jax_impl.harness.multiprocess import launch_multiprocess
 
     batches = sorted({(case.fixture, case.accum_steps) for case in cases})
+    spec_names = sorted({case.scheme for case in cases if case.scheme not in V1_SCHEMES})
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-mp-") as tmp:
         work = Path(tmp)
         spec_cases = []
@@ -147,7 +151,10 @@ def _run_multiprocess(
             "cases": spec_cases,
             "dtypes": [dtype],
             "x64": dtype == "float64",
-            "schemes": sorted({case.scheme for case in cases}),
+            "schemes": sorted({case.scheme for case in cases if case.scheme in V1_SCHEMES}),
+            # Trainer modes: one sweep of their specs, keyed spec<k> (float64 cases only).
+            "scheme_specs": [resolve_scheme(name).scheme_spec.to_dict() for name in spec_names],
+            "spec_id_space": _id_space([case.fixture for case in cases]),
             "variants": [["precount", "pmean"], ["postnorm", "psum"]],
             "optimizer": settings.optimizer_spec(),
             "num_updates": settings.num_updates,
@@ -169,11 +176,23 @@ def _run_multiprocess(
     for case in cases:
         index = batches.index((case.fixture, case.accum_steps))
         try:
-            output = _multiprocess_output(case, per_process, index, settings.num_updates)
+            label = (
+                case.scheme if case.scheme in V1_SCHEMES else f"spec{spec_names.index(case.scheme)}"
+            )
+            output = _multiprocess_output(case, per_process, index, settings.num_updates, label)
         except Exception as error:
             on_done(case, error)
         else:
             on_done(case, output)
+
+
+def _id_space(fixture_names: list[str]) -> dict[str, int]:
+    """One id space for the fixtures of a launch: their largest group and document ids + 1."""
+    fixtures = [builtin_fixture(name) for name in set(fixture_names)]
+    return {
+        "num_groups": max(int(f.group_ids.max()) + 1 for f in fixtures),
+        "num_documents": max(int(f.document_ids.max()) + 1 for f in fixtures),
+    }
 
 
 def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Job]:

@@ -20,6 +20,9 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.contract.fixture import BATCH_KEYS
+from crosscheck.contract.row_fields import ROW_FIELD_KEYS
+from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
+from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.workers import serve_job
 
@@ -154,6 +157,71 @@ def run_group(
     return results
 
 
+def run_spec_group(
+    impl: str, world_size: int, cases: Sequence[Case], settings: TrainSettings
+) -> dict[Case, CaseOutput]:
+    """Every trainer-mode case (a scheme spec) of one front-end and world size, float64.
+
+    One compiled sweep holds every spec of the group in both strategies
+    (``jax_impl.spec_step.spec_step_config``); the batches of v2's fixtures are laid out
+    with one id space (`num_groups`, `num_documents`, static in the program), so that one
+    program per layout serves them all."""
+    import optax
+
+    import jax_impl
+    from jax_impl.spec_batch import lay_out_spec_batch
+    from jax_impl.spec_step import spec_step_config
+
+    spec = settings.optimizer_spec()
+    optimizer = optax.sgd(**spec) if spec.pop("name") == "sgd" else optax.adamw(**spec)
+    variants = _variants(impl)
+    schemes = sorted({c.scheme for c in cases})
+    strategies = ("precount", "postnorm")
+    configs = [
+        spec_step_config(
+            resolve_scheme(scheme).scheme_spec.to_dict(),
+            optimizer,
+            max_grad_norm=settings.max_grad_norm,
+            **variants[strategy],
+        )
+        for scheme in schemes
+        for strategy in strategies
+    ]
+    sweep, place = placed_sweep(impl, configs, world_size)
+    fixtures = {c.fixture: builtin_fixture(c.fixture) for c in cases}
+    num_groups = max(int(f.group_ids.max()) + 1 for f in fixtures.values())
+    num_documents = max(int(f.document_ids.max()) + 1 for f in fixtures.values())
+    results: dict[Case, CaseOutput] = {}
+    for fixture_name, M in sorted({(c.fixture, c.accum_steps) for c in cases}):
+        fixture = fixtures[fixture_name]
+        arrays = {k: np.asarray(getattr(fixture, k)) for k in (*BATCH_KEYS, *ROW_FIELD_KEYS)}
+        batch, params0 = place(
+            lay_out_spec_batch(
+                arrays,
+                world_size,
+                M,
+                vocab_size=fixture.vocab_size,
+                num_groups=num_groups,
+                num_documents=num_documents,
+            ),
+            jax_impl.params_from_numpy(fixture.params(), "float64"),
+        )
+        params = [params0] * len(configs)
+        states = [jax_impl.init_opt_state(optimizer, params0)] * len(configs)
+        histories: list[list] = [[] for _ in configs]
+        for _ in range(settings.num_updates):
+            reduced = sweep(params, batch, "token_mean")  # the scheme index is unused
+            for v, config in enumerate(configs):
+                out = jax_impl.apply_optimizer(reduced[v], params[v], states[v], config)
+                params[v], states[v] = out.params, out.opt_state
+                histories[v].append(out)
+        for case in cases:
+            if (case.fixture, case.accum_steps) == (fixture_name, M):
+                v = schemes.index(case.scheme) * len(strategies) + strategies.index(case.strategy)
+                results[case] = _outputs(world_size, histories[v])
+    return results
+
+
 def run_job(job: dict) -> dict[Case, CaseOutput | str]:
     """Every case of the job, by front-end and world size; a failed group's cases get its
     traceback."""
@@ -163,7 +231,12 @@ def run_job(job: dict) -> dict[Case, CaseOutput | str]:
     results: dict[Case, CaseOutput | str] = {}
     for (impl, world_size), cases in sorted(groups.items()):
         try:
-            results.update(run_group(impl, world_size, cases, job["settings"], job["dtype"]))
+            v1 = [c for c in cases if c.scheme in V1_SCHEMES]
+            specs = [c for c in cases if c.scheme not in V1_SCHEMES]
+            if v1:
+                results.update(run_group(impl, world_size, v1, job["settings"], job["dtype"]))
+            if specs:
+                results.update(run_spec_group(impl, world_size, specs, job["settings"]))
         except Exception:  # one failed group fails its cases by name, the others still run
             message = traceback.format_exc(limit=8)
             results.update({case: message for case in cases})

@@ -11,9 +11,13 @@ A worker runs a *spec* (JSON), plain data so that no harness code enters the wor
 ``cases`` (``[{"fixture": path to a six-array fixture .npz, "accum_steps": M}]``; R is the
 number of processes), ``dtypes``, ``schemes``, ``variants`` (``[[strategy, collective]]``),
 ``optimizer`` (``{"name": "adamw" | "sgd", **hyperparameters}``), ``max_grad_norm``,
-``num_updates``, ``x64`` and, for tests, ``fail_process`` (that process exits with 3 right
-after joining) and ``stall_process`` (that process blocks for an hour after its first update's
-gradients, having written its pid to ``process<i>.stalled``: a test kills it there).
+``num_updates``, ``x64``, optionally ``scheme_specs`` (contract v2 spec dicts, run on the
+cases' rows with their v2 fields, keyed ``spec<k>`` in place of a scheme, all in one
+compiled sweep; ``spec_id_space``, ``{"num_groups": G, "num_documents": D}``, lays every
+fixture out in one id space) and, for tests,
+``fail_process`` (that process exits with 3 right after joining) and ``stall_process`` (that
+process blocks for an hour after its first update's gradients, having written its pid to
+``process<i>.stalled``: a test kills it there).
 ``dtypes`` are the params' dtypes (float64, float32, bfloat16); the soft weights are laid out
 in the denominator dtype (float64 under x64, else float32) whatever the params' dtype, so that
 no d is rounded before the step (`jax_impl.denominators`). It writes what it computed, nothing

@@ -42,6 +42,8 @@ from jax_impl.shard_map_step import (
     replicate,
     shard_batch,
 )
+from jax_impl.spec_batch import lay_out_spec_batch, spec_rank_slice
+from jax_impl.spec_step import spec_step_config
 from jax_impl.update import StepConfig, SweepFn, UpdateResult, apply_optimizer
 
 WORKER_TIMEOUT_S = 60  # jax.distributed's own waits (initialization, heartbeat, shutdown)
@@ -123,11 +125,17 @@ def _run_schemes(
     prefix: str,
     results: dict[str, np.ndarray],
     stall_marker: Path | None = None,
+    labels: Sequence[tuple[str, str]] = (),
+    config_labels: Sequence[str] = (),
 ) -> None:
-    """`num_updates` consecutive updates per scheme, every variant from the same start."""
+    """`num_updates` consecutive updates per scheme, every variant from the same start.
+
+    `labels`: (key, scheme) pairs to run instead of the spec's schemes (a scheme spec's
+    sweep ignores the scheme). `config_labels`: a label per config, for a sweep holding
+    several specs' configs side by side (``spec<k>``), written where the scheme's key is."""
     state0 = init_opt_state(configs[0].optimizer, params0)
     pending: list[tuple[str, UpdateResult]] = []
-    for scheme in spec["schemes"]:
+    for label, scheme in labels or [(scheme, scheme) for scheme in spec["schemes"]]:
         params, states = [params0] * len(configs), [state0] * len(configs)
         for update in range(spec["num_updates"]):
             reduced = sweep(params, batch, scheme)
@@ -141,7 +149,8 @@ def _run_schemes(
                 out = apply_optimizer(reduced[v], params[v], states[v], config)
                 params[v], states[v] = out.params, out.opt_state
                 name = variant_name(config.strategy.value, config.collective.value)
-                pending.append((f"{prefix}/{name}/{scheme}/{update}", out))
+                key = config_labels[v] if config_labels else label
+                pending.append((f"{prefix}/{name}/{key}/{update}", out))
     # Read back only after everything was dispatched: a host sync per update would make every
     # process wait for the slowest peer's compile and collective at each step.
     for key, out in pending:
@@ -166,6 +175,19 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
         for strategy, collective in spec["variants"]
     ]
     sweep = make_shard_map_sweep(configs, mesh)
+    # ``scheme_specs``: contract v2 specs (their dicts), every variant of every spec side by
+    # side in one sweep: one compiled program per batch shape, whatever the number of specs.
+    scheme_specs = spec.get("scheme_specs", [])
+    spec_configs = [
+        spec_step_config(
+            scheme_spec, optimizer, strategy=strategy, collective=collective,
+            max_grad_norm=spec.get("max_grad_norm"),
+        )
+        for scheme_spec in scheme_specs
+        for strategy, collective in spec["variants"]
+    ]  # fmt: skip
+    spec_labels = [f"spec{k}" for k in range(len(scheme_specs)) for _ in spec["variants"]]
+    spec_sweep = make_shard_map_sweep(spec_configs, mesh) if spec_configs else None
     results: dict[str, np.ndarray] = {"rank": np.asarray(rank)}
     stall = (
         out_path.with_suffix(".stalled")
@@ -191,6 +213,22 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
             _run_schemes(
                 sweep, configs, params0, batch, spec, f"{case_index}/{dtype}", results, stall
             )
+            if spec_sweep is not None:
+                # Contract v2 (docs/schemes-as-data.md): the same rows with their v2 fields.
+                # One id space for every fixture of the launch (``spec_id_space``), so
+                # that they share the compiled program of their shape.
+                spec_batch = lay_out_spec_batch(
+                    arrays, mesh.size, case["accum_steps"],
+                    vocab_size=arrays["embed"].shape[0],
+                    weights_dtype=np.dtype(denominator_dtype().name),
+                    **spec.get("spec_id_space", {}),
+                )  # fmt: skip
+                spec_batch = shard_batch(spec_rank_slice(spec_batch, rank), mesh)
+                _run_schemes(
+                    spec_sweep, spec_configs, params0, spec_batch, spec,
+                    f"{case_index}/{dtype}", results, labels=[("spec", "token_mean")],
+                    config_labels=spec_labels,
+                )  # fmt: skip
     write_atomically(out_path, pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL))
 
 
