@@ -24,6 +24,7 @@ import pytest
 
 from crosscheck.contract.fixture import NPZ_KEYS, Fixture, FixtureError
 from crosscheck.contract.oracle import loss_and_grad
+from crosscheck.contract.row_fields import ROW_FIELD_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture, fixture_reference, is_fixture_path
 from crosscheck.fixtures.vectors import MANIFEST_NAME, export_vectors
 from crosscheck.fixtures.vectors_read import VectorFileError, read_manifest, read_vector_file
@@ -228,7 +229,11 @@ def test_every_exported_file_reads_back(export: Path) -> None:
     manifest = read_manifest(export)
     for record in manifest["fixtures"]:
         arrays = read_vector_file(export, record, "fixture")
-        assert set(arrays) == set(NPZ_KEYS)
+        # v1's six keys, and contract v2's fields where the fixture gives them
+        assert set(NPZ_KEYS) <= set(arrays) <= set(NPZ_KEYS) | set(ROW_FIELD_KEYS)
+        assert set(arrays) - set(NPZ_KEYS) == set(
+            builtin_fixture(record["name"]).explicit_row_fields
+        )
     for record in manifest["vectors"]:
         assert "grad_embed" in read_vector_file(export, record, "expected")
 
