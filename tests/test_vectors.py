@@ -90,7 +90,13 @@ def test_two_exports_are_byte_identical(exported, tmp_path):
 def test_manifest_lists_every_file_and_documents_every_key(exported):
     directory, result, manifest = exported
     on_disk = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
-    listed = [r["path"] for r in manifest["fixtures"] + manifest["vectors"]]
+    listed = [
+        r["path"]
+        for r in manifest["fixtures"]
+        + manifest["vectors"]
+        + manifest["objective_params"]
+        + manifest["objective_vectors"]
+    ]
     assert len(listed) == len(set(listed))
     assert on_disk == {*listed, MANIFEST_NAME}
     assert {p.relative_to(directory).as_posix() for p in result.files} == on_disk
@@ -320,3 +326,79 @@ def test_every_trainer_mode_is_reproduced_from_its_spec_in_the_manifest(exported
             assert _rel_err(c, v["token_weights"]) <= RTOL, record["path"]
             checked += 1
     assert checked == sum(v["scheme"] not in SCHEMES for v in manifest["vectors"]) > 300
+
+
+def test_objective_vectors_hold_what_the_manifest_says(exported):
+    """Each objective file against the manifest's own statement: the total is the sum of its
+    terms' coefficient x L_k, the counts are what the fixture file's arrays count, an
+    update-scope term's D is its count (token means) and the aux objective is the same at
+    every layout (every term over the whole update)."""
+    directory, _, manifest = exported
+    terms = {n: o["terms"] for n, o in manifest["objective"]["objectives"].items()}
+    fixtures = {r["name"]: _load(directory / r["path"]) for r in manifest["fixtures"]}
+    by_case = {}
+    for record in manifest["objective_vectors"]:
+        v = _load(directory / record["path"])
+        fx = fixtures[record["fixture"]]
+        valid = fx["targets"] != IGNORE
+        shifted = np.zeros_like(valid)  # mtp: the next target of the same row and segment
+        same = fx["segment_ids"][:, 1:] == fx["segment_ids"][:, :-1]
+        shifted[:, :-1] = valid[:, 1:] & same
+        counts = {"ce": valid.sum(), "mtp": shifted.sum(), "moe_lb": (fx["segment_ids"] > 0).sum()}
+        total = math.fsum(
+            t.get("coefficient", 1.0) * float(v[f"term{k}_loss"])
+            for k, t in enumerate(terms[record["objective"]])
+        )
+        assert abs(total - float(v["loss"])) <= RTOL * abs(total), record["path"]
+        for k, t in enumerate(terms[record["objective"]]):
+            want = counts.get(t["kind"], valid.sum())
+            assert int(v[f"term{k}_count"]) == want, (record["path"], t)
+            if t["kind"] != "moe_lb" and not t.get("scheme"):
+                assert v[f"term{k}_denominators"].tolist() == [float(want)]
+        by_case.setdefault((record["fixture"], record["objective"]), []).append(v)
+    assert len(manifest["objective_vectors"]) == 2 * 2 * 6  # objectives x fixtures x layouts
+    for (fixture, objective), vectors in by_case.items():
+        if objective == "aux":
+            for v in vectors[1:]:
+                for key in ("grad_embed", "grad_router", "grad_mtp_unembed"):
+                    assert _rel_err(v[key], vectors[0][key]) <= RTOL, (fixture, key)
+
+
+def test_torch_and_jax_reproduce_the_objective_vectors(exported):
+    """The frameworks' multi-term references against the exported files, (2, 2) and (4, 1)."""
+    from crosscheck.launch.schedule import run_jobs
+    from crosscheck.run import objective_jax, objective_torch
+    from crosscheck.run.objectives import ObjectiveCase
+
+    directory, _, manifest = exported
+    paths = {
+        (r["fixture"], r["objective"], r["R"], r["M"]): r["path"]
+        for r in manifest["objective_vectors"]
+    }
+    cases = [
+        ObjectiveCase(impl, objective, "packed", R, M)
+        for impl in (objective_jax.IMPL, objective_torch.IMPL)
+        for objective in ("aux", "aux-local")
+        for R, M in ((2, 2), (4, 1))
+    ]
+    outputs = {}
+    jobs = [
+        *objective_jax.jobs(
+            [c for c in cases if c.impl == objective_jax.IMPL], outputs.__setitem__
+        ),
+        *objective_torch.jobs(
+            [c for c in cases if c.impl == objective_torch.IMPL], outputs.__setitem__
+        ),
+    ]
+    run_jobs(jobs)
+    assert set(outputs) == set(cases)
+    for case, output in outputs.items():
+        assert not isinstance(output, BaseException), (case, output)
+        v = _load(
+            directory / paths[case.fixture, case.objective, case.world_size, case.accum_steps]
+        )
+        for name, grad in output.grads.items():
+            assert _rel_err(grad, v[f"grad_{name}"]) <= RTOL, (case, name)
+        for k, term in enumerate(output.terms):
+            assert term.count == int(v[f"term{k}_count"]), (case, term.name)
+            assert abs(term.loss - float(v[f"term{k}_loss"])) <= RTOL * abs(term.loss)

@@ -1,13 +1,8 @@
 """Multi-term objectives in the main job: each implementation against the oracle, and each
 term's layout dependence (docs/objectives.md).
 
-Two objectives run on two fixtures at every layout R in {1, 2, 4}, M in {1, 2}:
-
-* ``aux``: every term, each over the whole update: the main cross-entropy, a z-loss, an
-  entropy bonus, a KL to the frozen reference, the multi-token-prediction head on its own
-  (smaller) count, and global-batch load balancing;
-* ``aux-local``: the cross-entropy beside an entropy bonus averaged per microbatch and
-  micro-batch load balancing (Megatron's default), terms whose objective depends on the layout.
+The objectives of `crosscheck.contract.objective_catalogue` run on its two fixtures at every
+layout R in {1, 2, 4}, M in {1, 2}.
 
 Rows, as `crosscheck.contract.cases.CaseResult`:
 
@@ -30,28 +25,17 @@ import numpy as np
 
 from crosscheck.contract.cases import CaseResult
 from crosscheck.contract.objective import ObjectiveResult, objective_loss_and_grad
+from crosscheck.contract.objective_catalogue import (
+    OBJECTIVE_FIXTURES,
+    OBJECTIVE_LAYOUTS,
+    OBJECTIVES,
+    term_name,
+)
 from crosscheck.contract.spec import get_spec
 from crosscheck.fixtures.builtin import builtin_fixture
-from crosscheck.fixtures.objective_params import TOP_K, objective_params
+from crosscheck.fixtures.objective_params import objective_params
 from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
 
-OBJECTIVES: dict[str, list[dict[str, Any]]] = {
-    "aux": [
-        {"kind": "ce"},
-        {"kind": "z_loss", "coefficient": 1e-2},
-        {"kind": "entropy", "coefficient": -0.1},
-        {"kind": "ref_kl", "coefficient": 0.5},
-        {"kind": "mtp", "coefficient": 0.3},
-        {"kind": "moe_lb", "coefficient": 0.01, "top_k": TOP_K, "scope": "update"},
-    ],
-    "aux-local": [
-        {"kind": "ce"},
-        {"kind": "entropy", "coefficient": -0.1, "scheme": {"scope": "microbatch"}},
-        {"kind": "moe_lb", "coefficient": 0.01, "top_k": TOP_K, "scope": "microbatch"},
-    ],
-}
-OBJECTIVE_FIXTURES: tuple[str, ...] = ("packed", "rollouts")
-OBJECTIVE_LAYOUTS: tuple[tuple[int, int], ...] = tuple((R, M) for R in (1, 2, 4) for M in (1, 2))
 #: A local term "moves" with the layout when its gradient changes by more than this relative
 #: to its own size: far above float64 rounding (1e-15), far below the changes seen (1e-3).
 LAYOUT_MOVE = 1e-9
@@ -80,10 +64,6 @@ class ObjectiveOutput(NamedTuple):
     grads: dict[str, np.ndarray]
     loss: float
     terms: tuple[TermOutput, ...]
-
-
-def term_name(term: Mapping[str, Any]) -> str:
-    return str(term.get("name", term["kind"]))
 
 
 def oracle_objective(objective: str, fixture: str, R: int, M: int) -> ObjectiveResult:
