@@ -21,6 +21,9 @@ from crosscheck.contract.schemes import SCHEMES, Scheme, get_scheme
 from crosscheck.contract.spec import SchemeSpec, get_spec
 from crosscheck.contract.spec_catalogue import known_spec_names
 
+#: The prefix that asks for a named scheme's spec form (``spec:token_mean``).
+SPEC_PREFIX = "spec:"
+
 
 class SpecScheme(Scheme):
     """A `SchemeSpec` behind the `Scheme` interface: c_t = a_t / D_u / K from the spec.
@@ -53,10 +56,15 @@ def resolve_scheme(scheme: str | dict[str, Any] | Scheme | SchemeSpec) -> Scheme
     A string ``module:object`` whose first part is no scheme's name is a user's own scheme:
     the module is imported (from the current directory first, as ``verify --step`` is) and
     the object, a `SchemeSpec`, its dict or a `Scheme`, is read; a spec left unnamed takes
-    the reference as its name.
+    the reference as its name. ``spec:NAME`` is any named scheme as a spec
+    (``spec:token_mean``): the same weights, computed by every implementation's spec path.
     """
     if isinstance(scheme, Scheme):
         return scheme
+    if isinstance(scheme, str) and scheme.startswith(SPEC_PREFIX):
+        # v1's scheme through the spec (its spec form, computed by the spec paths).
+        spec = get_spec(scheme.removeprefix(SPEC_PREFIX))
+        return SpecScheme(replace(spec, name=scheme))
     if isinstance(scheme, str) and (scheme in SCHEMES or scheme.startswith("constant:")):
         return get_scheme(scheme)
     if isinstance(scheme, str) and _is_reference(scheme):

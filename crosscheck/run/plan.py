@@ -23,7 +23,7 @@ from crosscheck.contract.cases import (
 )
 from crosscheck.contract.schemes import SCHEMES
 from crosscheck.contract.spec_catalogue import DEFAULT_PARAMETERS, MODE_SPECS
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, V2_FIXTURES, builtin_fixture
 from crosscheck.run.implementations import (
     IMPLEMENTATIONS,
@@ -70,12 +70,15 @@ class Plan:
     dtypes: list[str] = field(default_factory=lambda: ["float64"])
     world_size_change: bool = True
     resume: bool = True
-    #: Contract v2's trainer modes on v2's fixtures: a second product, spec_fixtures x
-    #: spec_schemes, beside fixtures x schemes (off with `spec_modes=False`).
+    #: Contract v2's trainer modes, and v1's schemes in their spec form (``spec:NAME``), on
+    #: v2's fixtures: a second product, spec_fixtures x spec_schemes, beside fixtures x
+    #: schemes (off with `spec_modes=False`).
     spec_schemes: list[str] = field(
         default_factory=lambda: [
             *MODE_SPECS,
             *(f"{name}:{value:g}" for name, value in DEFAULT_PARAMETERS.items()),
+            # v1's schemes through the spec paths: the same numbers as their v1 rows.
+            *(f"spec:{name}" for name in SCHEMES),
         ]
     )
     spec_fixtures: list[str] = field(default_factory=lambda: list(V2_FIXTURES))
@@ -184,10 +187,11 @@ class Plan:
                 num_rows = builtin_fixture(fixture).num_rows
                 for R, M in self.wanted_layouts():
                     for scheme in schemes:
-                        # An accidental scheme has no strategy: it is the naive loop itself.
-                        strategies = (
-                            self.strategies if resolve_scheme(scheme).intended else ["naive"]
-                        )
+                        # An accidental v1 scheme has no strategy: it is the naive loop itself;
+                        # a spec, local or not, is computed by both strategies' spec paths.
+                        resolved = resolve_scheme(scheme)
+                        spec = isinstance(resolved, SpecScheme)
+                        strategies = self.strategies if resolved.intended or spec else ["naive"]
                         grid = case_grid(
                             [impl], [fixture], [(R, M)], [scheme], strategies, self.dtypes
                         )
