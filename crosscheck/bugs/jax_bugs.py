@@ -12,16 +12,13 @@ side and independently: one failing does not stop the other.
 
 from __future__ import annotations
 
-import pickle
-import sys
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import ModuleType
 
 from crosscheck.diagnosis.patterns import BugOutput, BugRun
-from crosscheck.launch.workers import jax_launch, jax_worker_env
+from crosscheck.launch.workers import jax_launch, run_jax_job
 
 WORKER_MODULE = "crosscheck.bugs.jax_bugs_worker"
 WORKER_TIMEOUT_S = 300.0
@@ -34,18 +31,16 @@ class JaxBugRunError(RuntimeError):
     """A run the JAX bug worker could not complete; the message names the run and says why."""
 
 
-def _run_worker(
-    launch: ModuleType, dtype: str, runs: Sequence[BugRun], work: Path, timeout_s: float
-) -> dict:
+def _run_worker(dtype: str, runs: Sequence[BugRun], work: Path, timeout_s: float) -> dict:
     """One worker for one dtype: {run: outcome} for every run it was given."""
-    job, out = work / f"job-{dtype}.pkl", work / f"out-{dtype}.pkl"
-    job.write_bytes(pickle.dumps({"runs": list(runs), "dtype": dtype}))
-    command = [sys.executable, "-m", WORKER_MODULE, str(job), str(out)]
     try:
-        launch.run_workers(
-            [command], timeout_s=timeout_s, log_dir=work / dtype, env=jax_worker_env()
+        results = run_jax_job(
+            WORKER_MODULE,
+            {"runs": list(runs), "dtype": dtype},
+            work / dtype,
+            timeout_s=timeout_s,
+            use_zygote=False,
         )
-        results = pickle.loads(out.read_bytes())
     except Exception as error:  # the worker died, hung or wrote nothing: all its runs fail
         return {
             run: JaxBugRunError(f"{run.describe()}: the {dtype} JAX bug worker failed: {error}")
@@ -81,13 +76,13 @@ def run(runs: list[BugRun], *, timeout_s: float = WORKER_TIMEOUT_S) -> dict[BugR
             by_dtype.setdefault(bug_run.dtype, []).append(bug_run)
     if not by_dtype:
         return outcomes
-    launch = jax_launch()  # once, before the threads
+    jax_launch()  # loaded once, before the threads
     with (
         tempfile.TemporaryDirectory(prefix="gradweight-jax-bugs-") as tmp,
         ThreadPoolExecutor(max_workers=len(by_dtype)) as pool,
     ):
         futures = [
-            pool.submit(_run_worker, launch, dtype, group, Path(tmp), timeout_s)
+            pool.submit(_run_worker, dtype, group, Path(tmp), timeout_s)
             for dtype, group in sorted(by_dtype.items())
         ]
         for future in futures:

@@ -12,7 +12,6 @@ module run as ``python -m crosscheck.bugs.objective_steps JOB OUT`` is the JAX w
 
 from __future__ import annotations
 
-import pickle
 import sys
 import tempfile
 import traceback
@@ -26,13 +25,7 @@ import numpy as np
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.fixtures.objective_params import objective_params
-from crosscheck.launch.workers import (
-    jax_launch,
-    jax_worker_env,
-    launch_each,
-    layout_problem,
-    serve_job,
-)
+from crosscheck.launch.workers import launch_each, layout_problem, run_jax_job, serve_job
 
 WORKER_MODULE = "crosscheck.bugs.objective_steps"
 #: R = 4 with every pattern at one layout takes seconds; the bounds only catch a hang.
@@ -148,15 +141,14 @@ def run_jax(
     if not runs:
         return {}
     with tempfile.TemporaryDirectory(prefix="gradweight-objective-bugs-") as tmp:
-        work = Path(tmp)
-        job, out = work / "job.pkl", work / "out.pkl"
-        job.write_bytes(pickle.dumps({"runs": list(runs), "dtype": "float64"}))
-        command = [sys.executable, "-m", WORKER_MODULE, str(job), str(out)]
         try:
-            jax_launch().run_workers(
-                [command], timeout_s=timeout_s, log_dir=work / "logs", env=jax_worker_env()
+            results = run_jax_job(
+                WORKER_MODULE,
+                {"runs": list(runs), "dtype": "float64"},
+                Path(tmp),
+                timeout_s=timeout_s,
+                use_zygote=False,
             )
-            results = pickle.loads(out.read_bytes())
         except Exception as error:  # the worker died, hung or wrote nothing: all its runs fail
             return {
                 run: ObjectiveStepError(f"{run.describe()}: the JAX worker failed: {error}")

@@ -193,6 +193,29 @@ def worker_zygote() -> Zygote | None:
 # ---- JAX: the worker's side --------------------------------------------------------------------
 
 
+def run_jax_job(
+    module: str, job: dict, work: Path, *, timeout_s: float, use_zygote: bool = True
+) -> Any:
+    """Run ``python -m MODULE JOB OUT`` as one JAX worker and return what it pickled to OUT.
+
+    The job is pickled into `work` (which also takes the worker's log); the worker runs with
+    `jax_worker_env` (eight CPU devices), forked from the zygote where `use_zygote` and the
+    platform allow, bounded by `timeout_s` and killed with its process group when the launch
+    ends (`jax_impl.harness.launch.run_workers`, whose error this raises). MODULE's ``main``
+    is `serve_job`."""
+    work.mkdir(parents=True, exist_ok=True)
+    job_path, out = work / "job.pkl", work / "out.pkl"
+    job_path.write_bytes(pickle.dumps(job))
+    jax_launch().run_workers(
+        [[sys.executable, "-m", module, str(job_path), str(out)]],
+        timeout_s=timeout_s,
+        log_dir=work,
+        env=jax_worker_env(),
+        zygote=worker_zygote() if use_zygote else None,
+    )
+    return pickle.loads(out.read_bytes())
+
+
 def write_atomically(path: str | Path, data: bytes) -> None:
     """`jax_impl.harness.launch.write_atomically` (the whole file or none), without JAX."""
     jax_launch().write_atomically(path, data)

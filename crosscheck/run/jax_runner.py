@@ -13,8 +13,6 @@ process group when its launch ends.
 from __future__ import annotations
 
 import functools
-import pickle
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +24,7 @@ from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
 from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import jax_launch, jax_worker_env, worker_zygote
+from crosscheck.launch.workers import jax_launch, run_jax_job, worker_zygote
 
 OnDone = Callable[[Case, CaseOutput | BaseException], None]
 
@@ -75,23 +73,17 @@ def _run_in_process(
 ) -> None:
     """One worker process with eight CPU devices runs `cases`, all of one dtype."""
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-") as tmp:
-        work = Path(tmp)
-        job, out = work / "job.pkl", work / "out.pkl"
-        job.write_bytes(pickle.dumps({"cases": cases, "settings": settings, "dtype": dtype}))
-        command = [sys.executable, "-m", "crosscheck.run.jax_worker", str(job), str(out)]
         try:
-            jax_launch().run_workers(
-                [command],
+            results = run_jax_job(
+                "crosscheck.run.jax_worker",
+                {"cases": cases, "settings": settings, "dtype": dtype},
+                Path(tmp),
                 timeout_s=WORKER_TIMEOUT_S,
-                log_dir=work,
-                env=jax_worker_env(),
-                zygote=worker_zygote(),
             )
         except Exception as error:
             for case in cases:
                 on_done(case, error)
             return
-        results = pickle.loads(out.read_bytes())
     for case in cases:
         result = results.get(case, "the worker produced no result for this case")
         on_done(case, JaxCaseError(result) if isinstance(result, str) else result)

@@ -8,7 +8,6 @@ judge (`crosscheck.run.objectives`).
 
 from __future__ import annotations
 
-import pickle
 import sys
 import tempfile
 import traceback
@@ -21,7 +20,7 @@ from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.fixtures.objective_params import objective_params
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import jax_launch, jax_worker_env, serve_job, worker_zygote
+from crosscheck.launch.workers import run_jax_job, serve_job
 from crosscheck.run.objectives import (
     OBJECTIVES,
     ObjectiveCase,
@@ -73,23 +72,17 @@ def run_cases(job: dict) -> dict[ObjectiveCase, ObjectiveOutput | str]:
 
 def _run(cases: list[ObjectiveCase], on_done: OnObjective) -> None:
     with tempfile.TemporaryDirectory(prefix="gradweight-objective-") as tmp:
-        work = Path(tmp)
-        job, out = work / "job.pkl", work / "out.pkl"
-        job.write_bytes(pickle.dumps({"cases": cases, "dtype": "float64"}))
-        command = [sys.executable, "-m", "crosscheck.run.objective_jax", str(job), str(out)]
         try:
-            jax_launch().run_workers(
-                [command],
+            results = run_jax_job(
+                "crosscheck.run.objective_jax",
+                {"cases": cases, "dtype": "float64"},
+                Path(tmp),
                 timeout_s=WORKER_TIMEOUT_S,
-                log_dir=work,
-                env=jax_worker_env(),
-                zygote=worker_zygote(),
             )
         except Exception as error:
             for case in cases:
                 on_done(case, error)
             return
-        results = pickle.loads(out.read_bytes())
     for case in cases:
         result = results.get(case, "the worker produced no result for this case")
         on_done(case, RuntimeError(result) if isinstance(result, str) else result)
