@@ -242,6 +242,35 @@ def _term_sum(
     return (norm.weights[m] * losses).sum() * norm.scales[m]
 
 
+def count_prepass(
+    module: nn.Module,
+    microbatches: Sequence[TokenBatch],
+    parsed: Sequence[ObjectiveTerm],
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+) -> list[_Norm]:
+    """Every term's weights and denominators, from this rank's counts and one int64
+    collective of every term's counts over the ranks (each term's block then [R, M, width]),
+    before any backward."""
+    weights, counts = _local_counts(module, microbatches, parsed)
+    gathered = _gather_int64(torch.cat([c.flatten() for c in counts]), group, timeout_s)
+    blocks = gathered.split([c.numel() for c in counts], dim=1)
+    gathered = [b.reshape(world_size, *c.shape) for b, c in zip(blocks, counts, strict=True)]
+    return [_norm(t, w, c, rank) for t, w, c in zip(parsed, weights, gathered, strict=True)]
+
+
+def trained_grads(module: nn.Module) -> dict[str, np.ndarray]:
+    """Every trained param's gradient as float64 numpy; a head no term reads has no .grad,
+    and its gradient is zero (the oracle's too)."""
+    return {
+        name: (torch.zeros_like(p) if p.grad is None else p.grad).detach().numpy().copy()
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    }
+
+
 def objective_update(
     model: nn.Module,
     microbatches: Sequence[TokenBatch],
@@ -271,12 +300,7 @@ def objective_update(
         if missing:
             raise ValueError(f"term {term.name!r} ({term.kind}) needs params {missing}")
     M = len(microbatches)
-    weights, counts = _local_counts(module, microbatches, parsed)
-    # One int64 collective for every term's counts; each term's block is then [R, M, width].
-    gathered = _gather_int64(torch.cat([c.flatten() for c in counts]), group, timeout_s)
-    blocks = gathered.split([c.numel() for c in counts], dim=1)
-    gathered = [b.reshape(world_size, *c.shape) for b, c in zip(blocks, counts, strict=True)]
-    norms = [_norm(t, w, c, rank) for t, w, c in zip(parsed, weights, gathered, strict=True)]
+    norms = count_prepass(module, microbatches, parsed, rank, world_size, group, timeout_s)
     heads = heads_of(parsed)
     local = torch.zeros(len(parsed), dtype=torch.float64)
     for m, batch in enumerate(microbatches):

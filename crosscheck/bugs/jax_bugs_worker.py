@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from crosscheck.bugs.batch import bug_batch
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
@@ -26,7 +25,7 @@ from crosscheck.diagnosis.patterns import (
     BugRun,
 )
 from crosscheck.fixtures.builtin import builtin_fixture
-from crosscheck.launch.workers import serve_job
+from crosscheck.launch.workers import launch_arrays, serve_job
 
 Results = dict[BugRun, BugOutput | str]
 
@@ -40,7 +39,7 @@ def _prepare(run: BugRun, dtype: str):
     check_patterns([run.pattern])
     check_world_size(run.world_size)
     fixture = builtin_fixture(run.fixture)
-    arrays = bug_batch(run.fixture)  # the token arrays, and the v2 fields the fixture gives
+    arrays, _ = launch_arrays(run.fixture)  # the token arrays and the fixture's v2 fields
     batch = jax_impl.lay_out_global_batch(
         {key: arrays[key] for key in BATCH_KEYS},
         run.world_size,

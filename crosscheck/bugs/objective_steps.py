@@ -25,7 +25,13 @@ import numpy as np
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.fixtures.objective_params import objective_params
-from crosscheck.launch.workers import launch_each, layout_problem, run_jax_job, serve_job
+from crosscheck.launch.workers import (
+    first_disagreeing_rank,
+    launch_each,
+    layout_problem,
+    run_jax_job,
+    serve_job,
+)
 
 WORKER_MODULE = "crosscheck.bugs.objective_steps"
 #: R = 4 with every pattern at one layout takes seconds; the bounds only catch a hang.
@@ -95,14 +101,10 @@ def _torch_case(run: ObjectiveBugRun):
 
 def _same_on_every_rank(run: ObjectiveBugRun, per_rank: list) -> Grads:
     """Rank 0's gradient, after checking every rank holds the same bytes (one all-reduce)."""
-    first = per_rank[0]
-    for rank, other in enumerate(per_rank[1:], start=1):
-        same = other.grads.keys() == first.grads.keys() and all(
-            np.array_equal(other.grads[k], first.grads[k]) for k in first.grads
-        )
-        if not same:
-            raise ObjectiveStepError(f"{run.describe()}: rank {rank} ended with another gradient")
-    return first.grads
+    rank = first_disagreeing_rank(per_rank)
+    if rank is not None:
+        raise ObjectiveStepError(f"{run.describe()}: rank {rank} ended with another gradient")
+    return per_rank[0].grads
 
 
 def run_torch(runs: Sequence[ObjectiveBugRun]) -> dict[ObjectiveBugRun, Outcome]:

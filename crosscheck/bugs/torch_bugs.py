@@ -13,7 +13,6 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from crosscheck.bugs.batch import bug_arrays
 from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
     NUM_WINDOWS,
@@ -22,7 +21,7 @@ from crosscheck.diagnosis.patterns import (
     BugOutput,
     BugRun,
 )
-from crosscheck.launch.workers import launch_each, layout_problem
+from crosscheck.launch.workers import launch_arrays, launch_each, layout_problem
 
 if TYPE_CHECKING:  # torch is imported only when something is launched
     from torch_impl.harness.bugs import BugStep, BugStepResult
@@ -61,7 +60,7 @@ def _problem(bug_run: BugRun) -> str:
 def _bug_step(bug_run: BugRun) -> BugStep:
     from torch_impl.harness.bugs import BugStep
 
-    batch, params = bug_arrays(bug_run.fixture)
+    batch, params = launch_arrays(bug_run.fixture)
     return BugStep(
         label=bug_run.describe(),
         pattern=bug_run.pattern,

@@ -266,6 +266,19 @@ def launch_arrays(fixture_name: str) -> tuple[dict[str, np.ndarray], dict[str, n
     return batch, params
 
 
+def first_disagreeing_rank(per_rank: Sequence[Any]) -> int | None:
+    """The first rank whose ``grads`` differ from rank 0's (other keys, or other bytes), or
+    None: after the gradient all-reduce every rank must hold the same gradient, bit for bit."""
+    first = per_rank[0].grads
+    for rank, other in enumerate(per_rank[1:], start=1):
+        grads = other.grads
+        if grads.keys() != first.keys() or not all(
+            np.array_equal(grads[key], first[key]) for key in first
+        ):
+            return rank
+    return None
+
+
 def launch_each(
     target: Callable[..., Any],
     world_size: int,

@@ -15,7 +15,7 @@ from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.fixtures.objective_params import objective_params
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import launch_each
+from crosscheck.launch.workers import first_disagreeing_rank, launch_each
 from crosscheck.run.objectives import (
     OBJECTIVES,
     ObjectiveCase,
@@ -45,12 +45,11 @@ def _payload(case: ObjectiveCase):
 
 def _judge(case: ObjectiveCase, per_rank: list) -> ObjectiveOutput:
     first = per_rank[0]
-    for rank, other in enumerate(per_rank[1:], start=1):
-        same = other.grads.keys() == first.grads.keys() and all(
-            np.array_equal(other.grads[k], first.grads[k]) for k in first.grads
-        )
-        if not same or other.log != first.log:
-            raise AssertionError(f"{first.label}: rank {rank} ended with another gradient or log")
+    rank = first_disagreeing_rank(per_rank)
+    if rank is None:
+        rank = next((r for r, out in enumerate(per_rank) if out.log != first.log), None)
+    if rank is not None:
+        raise AssertionError(f"{first.label}: rank {rank} ended with another gradient or log")
     return ObjectiveOutput(
         grads=first.grads,
         loss=first.log.loss,

@@ -12,7 +12,7 @@ import numpy as np
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics
 from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
 from crosscheck.contract.spec_scheme import resolve_scheme
-from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.workers import first_disagreeing_rank, launch_arrays
 
 
 def is_spec_case(case: Case) -> bool:
@@ -24,11 +24,11 @@ def spec_case(case: Case, front_end: str):
     """The case as a torch_impl SpecCase: one update of the spec, its gradient judged."""
     from torch_impl.harness.spec_cases import SpecCase
 
-    fixture = builtin_fixture(case.fixture)
+    batch, params = launch_arrays(case.fixture)
     return SpecCase(
         label=case.describe(),
-        batch=fixture.npz_arrays(),
-        params=fixture.params(),
+        batch=batch,
+        params=params,
         spec=resolve_scheme(case.scheme).scheme_spec.to_dict(),
         strategy=case.strategy,
         accum_steps=case.accum_steps,
@@ -43,12 +43,9 @@ def spec_output(case: Case, per_rank: list) -> CaseOutput:
     A spec case runs one update without an optimizer step: its row stands on the gradient,
     D and the objective (`crosscheck.run.rows.compare_with_oracle`)."""
     first = per_rank[0]
-    for other in per_rank[1:]:
-        for key, value in first.grads.items():
-            if not np.array_equal(value, other.grads[key]):
-                raise AssertionError(
-                    f"{case.describe()}: rank {other.rank} holds a different {key} gradient"
-                )
+    rank = first_disagreeing_rank(per_rank)
+    if rank is not None:
+        raise AssertionError(f"{case.describe()}: rank {rank} holds a different gradient")
     metrics = []
     for out in per_rank:
         acc = out.accumulated

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -56,6 +56,21 @@ DTYPES: dict[str, torch.dtype] = {
 PROBE_DTYPE = "float32"
 
 
+def check_case_choices(case: Any, strategies: tuple[str, ...]) -> None:
+    """Refuse a case whose strategy, front-end or dtype is not one it runs, naming the case;
+    postnorm needs DDP's comm hook (FSDP2 runs precount)."""
+    choices = {"strategy": strategies, "front_end": ("ddp", "fsdp2"), "dtype": tuple(DTYPES)}
+    for name, allowed in choices.items():
+        if getattr(case, name) not in allowed:
+            raise ValueError(
+                f"case {case.label!r}: {name} must be one of {allowed}, got {getattr(case, name)!r}"
+            )
+    if case.strategy == "postnorm" and case.front_end != "ddp":
+        raise ValueError(
+            f"case {case.label!r}: postnorm needs a DDP comm hook; FSDP2 runs precount"
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UpdateCase(BatchJob):
     """One cross-check case: `num_updates` consecutive updates on the same global batch."""
@@ -83,21 +98,7 @@ class UpdateCase(BatchJob):
     save_to: str | None = None
 
     def __post_init__(self) -> None:
-        choices = {
-            "strategy": ("precount", "postnorm", "mean_loss"),
-            "front_end": ("ddp", "fsdp2"),
-            "dtype": tuple(DTYPES),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"case {self.label!r}: {name} must be one of {allowed}, "
-                    f"got {getattr(self, name)!r}"
-                )
-        if self.strategy == "postnorm" and self.front_end != "ddp":
-            raise ValueError(
-                f"case {self.label!r}: postnorm needs a DDP comm hook; FSDP2 runs precount"
-            )
+        check_case_choices(self, ("precount", "postnorm", "mean_loss"))
         self._check_stop()
 
     def _check_stop(self) -> None:

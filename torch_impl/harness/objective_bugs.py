@@ -48,14 +48,13 @@ from torch_impl.guards import PRECHECK_TIMEOUT_S, precheck
 # The correct objective's pieces: the bugs differ from it only in the target's weights.
 from torch_impl.objective import (
     ObjectiveLM,
-    _gather_int64,
-    _local_counts,
     _Norm,
-    _norm,
     _term_sum,
     _wait,
+    count_prepass,
     heads_of,
     objective_update,
+    trained_grads,
     wrap_ddp,
 )
 from torch_impl.objective_terms import (
@@ -183,11 +182,7 @@ def objective_bug_update(
     module = model.module if isinstance(model, DistributedDataParallel) else model
     M = len(microbatches)
     # The same exact count pre-pass as the correct step: only the target's use of it differs.
-    weights, counts = _local_counts(module, microbatches, parsed)
-    gathered = _gather_int64(torch.cat([c.flatten() for c in counts]), group, timeout_s)
-    blocks = gathered.split([c.numel() for c in counts], dim=1)
-    gathered = [b.reshape(world_size, *c.shape) for b, c in zip(blocks, counts, strict=True)]
-    norms = [_norm(t, w, c, rank) for t, w, c in zip(parsed, weights, gathered, strict=True)]
+    norms = count_prepass(module, microbatches, parsed, rank, world_size, group, timeout_s)
     heads = heads_of(parsed)
     for m, batch in enumerate(microbatches):
         # Collectives before the step's forward: every rank reaches them in the same order.
@@ -249,11 +244,5 @@ def run_objective_bug_cases(
                 case.pattern,
                 vocab_size=case.vocab_size,
             )
-        # A trained head no term reads has no .grad; its gradient is zero.
-        grads = {
-            name: (torch.zeros_like(p) if p.grad is None else p.grad).detach().numpy().copy()
-            for name, p in module.named_parameters()
-            if p.requires_grad
-        }
-        out.append(ObjectiveBugOutput(case.label, grads))
+        out.append(ObjectiveBugOutput(case.label, trained_grads(module)))
     return out

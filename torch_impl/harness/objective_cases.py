@@ -16,7 +16,13 @@ import numpy as np
 import torch
 
 from torch_impl.batch import rank_microbatches
-from torch_impl.objective import ObjectiveLM, ObjectiveLog, objective_update, wrap_ddp
+from torch_impl.objective import (
+    ObjectiveLM,
+    ObjectiveLog,
+    objective_update,
+    trained_grads,
+    wrap_ddp,
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,11 +54,5 @@ def run_objective_cases(
         ddp = wrap_ddp(module, case.terms)
         microbatches = rank_microbatches(dict(case.batch), rank, world_size, case.accum_steps)
         log = objective_update(ddp, microbatches, case.terms, vocab_size=case.vocab_size)
-        # A trained head no term reads has no .grad; its gradient is zero (the oracle's too).
-        grads = {
-            name: (torch.zeros_like(p) if p.grad is None else p.grad).detach().numpy().copy()
-            for name, p in module.named_parameters()
-            if p.requires_grad
-        }
-        out.append(ObjectiveCaseOutput(case.label, grads, log))
+        out.append(ObjectiveCaseOutput(case.label, trained_grads(module), log))
     return out

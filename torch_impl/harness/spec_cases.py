@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from torch_impl.batch import rank_microbatches
 from torch_impl.harness.cases import (
-    DTYPES,
     CaseOutput,
     FrontEnd,
     UpdateCase,
     _Wrapped,
     _WrapperCache,
+    check_case_choices,
     run_case,
 )
 from torch_impl.harness.jobs import BatchJob
@@ -58,21 +58,7 @@ class SpecCase(BatchJob):
 
     def __post_init__(self) -> None:
         get_spec(self.spec)  # a bad spec fails here, in the caller, with its key named
-        choices = {
-            "strategy": ("precount", "postnorm"),
-            "front_end": ("ddp", "fsdp2"),
-            "dtype": tuple(DTYPES),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"case {self.label!r}: {name} must be one of {allowed}, "
-                    f"got {getattr(self, name)!r}"
-                )
-        if self.strategy == "postnorm" and self.front_end != "ddp":
-            raise ValueError(
-                f"case {self.label!r}: postnorm needs a DDP comm hook; FSDP2 runs precount"
-            )
+        check_case_choices(self, ("precount", "postnorm"))
 
 
 @dataclass(frozen=True, slots=True)
