@@ -27,6 +27,7 @@ LAYERS = (
     "run",
     "bugs",
     "verification",
+    "bench",
     "cli",
 )
 #: Above every layer: the public API, `python -m crosscheck` and the pytest plugin.

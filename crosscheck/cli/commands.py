@@ -207,7 +207,22 @@ def _dispatch(args: argparse.Namespace, console: Console) -> int:
         return export(args, console)
     if args.command == "verify":
         return verify(args, console)
+    if args.command == "bench":
+        return bench(args, console)
     raise AssertionError(args.command)
+
+
+def bench(args: argparse.Namespace, console: Console) -> int:
+    """`bench`: --json and the devices are checked before any process starts."""
+    from crosscheck.bench.command import BenchSetupError, bench_command
+
+    problem = check_outputs("bench", {"--json": args.json})
+    if problem:
+        return refuse(console, problem)
+    try:
+        return bench_command(args, console)
+    except BenchSetupError as error:
+        return refuse(console, f"crosscheck bench: {error}")
 
 
 def export(args: argparse.Namespace, console: Console) -> int:

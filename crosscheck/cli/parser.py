@@ -178,12 +178,31 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify.add_argument("--json", type=Path, help="write the report as JSON here")
 
 
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="time naive, precount and fused loss weighting on a small transformer (torch, JAX)",
+    )
+    bench.add_argument("--json", type=Path, help="write the results as JSON here")
+    bench.add_argument(
+        "--quick", action="store_true", help="a few rounds of a small batch (checks it runs)"
+    )
+    bench.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one torch rank per GPU over NCCL, JAX on every device it finds",
+    )
+    bench.add_argument("--ranks", type=int, default=2, help="torch ranks (default: 2)")
+    bench.add_argument("--platform", help="JAX's jax_platforms (default: cpu with --device cpu)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crosscheck",
         description="Check that loss normalization weights tokens the way it should.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_run, _add_bugs, _add_export, _add_verify):
+    for add in (_add_run, _add_bugs, _add_export, _add_verify, _add_bench):
         add(commands)
     return parser

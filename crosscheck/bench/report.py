@@ -1,0 +1,188 @@
+"""The bench's report: one row per framework x setup x path, the table, the machine, the JSON.
+
+A row holds the step's median, min and max over the timed rounds, the median of per-round
+ratios to naive (`crosscheck.bench.stats`), the peak memory of one update (measured as
+`memory` says, per framework) and, for a refused path, why it was refused and not timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from crosscheck.bench.runner import BenchRun
+from crosscheck.bench.stats import summarize
+from crosscheck.launch.workers import write_atomically
+
+#: The acceptance: fused postnorm may cost at most 2% over naive (median of ratios).
+FUSED_BUDGET = 1.02
+RATIO_METHOD = (
+    "median over rounds of t_path_i / t_naive_i, each round running every path once in "
+    "turn (rotating which goes first): drift that moves a whole round cancels"
+)
+
+
+def result_rows(run: BenchRun) -> list[dict]:
+    """Every (framework, setup, path) the run judged, timed or refused, in a stable order."""
+    rows = []
+    torch_out, jax_out = run.torch.output, run.jax.output
+    if torch_out is not None:
+        setup = f"ddp {run.config.torch_ranks} ranks ({torch_out['backend']})"
+        rows += _setup_rows("torch", setup, run.config.torch_ranks, torch_out)
+    if jax_out is not None:
+        for world_size, out in jax_out["setups"].items():
+            setup = f"shard_map {world_size} devices ({jax_out['platform']})"
+            rows += _setup_rows("jax", setup, world_size, out)
+    return rows
+
+
+def _setup_rows(framework: str, setup: str, world_size: int, out: dict) -> list[dict]:
+    summary = summarize(out["times"]) if out["times"] else {}
+    rows = []
+    for path in ("naive", "precount", "fused"):
+        numbers = summary.get(path, dict.fromkeys(("median_s", "min_s", "max_s", "ratio_to_naive")))
+        rows.append(
+            {
+                "framework": framework,
+                "setup": setup,
+                "path": path,
+                **numbers,
+                "peak_mem_bytes": out["peak_mem_bytes"].get(path),
+                "world_size": world_size,
+                "rank_valid_tokens": out["rank_counts"],
+                "refused": out["refused"].get(path),
+                # JAX only: all-reduce ops in the optimized program (fused: as many as naive).
+                "all_reduces": out.get("collectives", {}).get(path),
+            }
+        )
+    return rows
+
+
+def machine() -> dict:
+    """Where the bench ran: CPU model, cores, load (the machine may be shared), versions."""
+    model = platform.processor()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [
+            ln.split(":", 1)[1].strip()
+            for ln in cpuinfo.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
+        model = names[0] if names else model
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    versions = {}
+    for package in ("torch", "jax", "jaxlib", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "cpu_model": model or "unknown",
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        **versions,
+    }
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f} ms"
+
+
+def _mebibytes(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
+
+
+def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) -> None:
+    """The table of every row, how memory was measured, the machine, and the acceptance."""
+    config = run.config
+    table = Table(
+        title=f"step time of one update (R ranks x M={config.accum} microbatches of "
+        f"{config.rows} x {config.seq_len} tokens per rank, float32; "
+        f"{config.rounds} rounds after {config.warmup} warm-up)"
+    )
+    for column in ("framework", "setup", "path", "median", "min", "max", "vs naive", "peak mem"):
+        table.add_column(
+            column, justify="left" if column in ("framework", "setup", "path") else "right"
+        )
+    for row in rows:
+        ratio = "-" if row["ratio_to_naive"] is None else f"{row['ratio_to_naive']:.3f}"
+        if row["refused"]:
+            ratio = "[red]refused[/]"
+        table.add_row(
+            row["framework"],
+            row["setup"],
+            row["path"],
+            _seconds(row["median_s"]),
+            _seconds(row["min_s"]),
+            _seconds(row["max_s"]),
+            ratio,
+            _mebibytes(row["peak_mem_bytes"]),
+        )
+    table.caption = f"vs naive: {RATIO_METHOD}"
+    console.print(table)
+    for row in rows:
+        if row["refused"]:
+            console.print(
+                f"[red]refused[/] {row['framework']} {row['setup']} {row['path']}: "
+                f"{row['refused']}",
+                soft_wrap=True,
+            )
+    for name, framework in (("torch", run.torch), ("jax", run.jax)):
+        if framework.error:
+            console.print(f"[red]{name} did not run:[/] {framework.error}", soft_wrap=True)
+        elif framework.output is not None:
+            console.print(
+                f"{name} peak memory: {framework.output['memory_method']}", soft_wrap=True
+            )
+    console.print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), soft_wrap=True)
+    for line in acceptance_lines(rows):
+        console.print(line, soft_wrap=True)
+
+
+def acceptance_lines(rows: list[dict]) -> list[str]:
+    """fused / naive per setup against the 2% budget (a line per setup)."""
+    lines = []
+    for row in rows:
+        if row["path"] != "fused" or row["ratio_to_naive"] is None:
+            continue
+        ok = row["ratio_to_naive"] <= FUSED_BUDGET
+        verdict = "[green]within[/]" if ok else "[yellow]over[/]"
+        lines.append(
+            f"fused / naive, {row['framework']} {row['setup']}: {row['ratio_to_naive']:.3f} "
+            f"({verdict} {FUSED_BUDGET})"
+        )
+    return lines
+
+
+def write_report(path: Path, run: BenchRun, rows: list[dict], info: dict) -> None:
+    """The JSON report, written whole or not at all."""
+    memory = {
+        name: framework.output["memory_method"]
+        for name, framework in (("torch", run.torch), ("jax", run.jax))
+        if framework.output is not None
+    }
+    errors = {
+        name: framework.error
+        for name, framework in (("torch", run.torch), ("jax", run.jax))
+        if framework.error
+    }
+    report = {
+        "results": rows,
+        "machine": info,
+        "config": run.config.record(),
+        "ratio_method": RATIO_METHOD,
+        "memory_method": memory,
+        "errors": errors,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps(report, indent=2).encode())
