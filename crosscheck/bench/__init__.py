@@ -12,8 +12,9 @@ Three ways to weight one update of R ranks x M microbatches, each in torch (DDP)
 
 Modules: `config` (the sizes and the packed batch, numpy), `torch_bench` and `jax_bench`
 (what runs in the rank and worker processes), `checks` (the gradients each path must give,
-judged before any timing), `stats` (medians and ratios), `runner` (launching both
-frameworks), `report` (the table and the JSON). docs/bench.md says how to read it.
+judged before any timing), `memory` (peak RSS of one call), `stats` (medians and ratios),
+`runner` (launching both frameworks), `report` (the table and the JSON), `command` (the
+command line's glue). docs/bench.md says how to read it.
 
 Layer: above `verification`, below `cli`; imports `contract`, `judge` and `launch` only.
 torch and JAX are imported only in the processes that run them.

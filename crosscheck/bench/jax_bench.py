@@ -134,19 +134,22 @@ def run_setup(config: BenchConfig, world_size: int, batch: dict[str, np.ndarray]
         path_grads, _references(rank_grads, np.asarray(rank_counts)), counts.tolist()
     )
     timed = [p for p in PATHS if p not in refused]
-    times: dict[str, list[float]] = {path: [] for path in timed}
+    wall: dict[str, list[float]] = {path: [] for path in timed}
+    cpu: dict[str, list[float]] = {path: [] for path in timed}
     for round_index in range(config.warmup + config.rounds):
         # Interleaved, and each round starts one path later, so that no path always runs
         # first (right after the previous round's last) or always last.
         shift = round_index % len(timed) if timed else 0
         for path in timed[shift:] + timed[:shift]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(compiled[path](params, placed))
-            elapsed = time.perf_counter() - start
             if round_index >= config.warmup:
-                times[path].append(elapsed)
+                wall[path].append(time.perf_counter() - start)
+                # Every device's thread is in this process: its CPU time is all R ranks'.
+                cpu[path].append(time.process_time() - start_cpu)
     return {
-        "times": times,
+        "times": wall,
+        "cpu_times": cpu,
         "refused": refused,
         "peak_mem_bytes": {path: _program_bytes(compiled[path]) for path in timed},
         "rank_counts": counts.tolist(),

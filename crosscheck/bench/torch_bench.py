@@ -140,8 +140,10 @@ def bench_rank(rank: int, world_size: int, job: dict) -> dict:
 
     `job` holds the `BenchConfig` and the threads per rank; the [R, M, B, T] batch is built
     here from the config (`crosscheck.bench.config.packed_batch`, deterministic). Returns
-    per-round step times (the slowest rank's), the refused paths with their reasons, and the
-    peak memory of one update of each path (the largest over ranks), on every rank alike.
+    per-round step times (the slowest rank's wall time, and the CPU time of all ranks:
+    ``process_time``, every thread of the process, gloo's included), the refused paths with
+    their reasons, and the peak memory of one update of each path (the largest over ranks),
+    on every rank alike.
     """
     config: BenchConfig = job["config"]
     torch.set_num_threads(job["threads"])
@@ -180,7 +182,8 @@ def bench_rank(rank: int, world_size: int, job: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    times = {path: [] for path in timed}
+    wall: dict[str, list[float]] = {path: [] for path in timed}
+    cpu: dict[str, list[float]] = {path: [] for path in timed}
     for round_index in range(config.warmup + config.rounds):
         # Interleaved, and each round starts one path later (ABC, BCA, CAB, ...), so that no
         # path always runs first, right after the barrier that follows the previous round.
@@ -189,20 +192,23 @@ def bench_rank(rank: int, world_size: int, job: dict) -> dict:
             paths.zero_grads()
             synchronize()
             dist.barrier(group=group)  # every rank starts the path together
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             paths.run[path]()
             synchronize()
-            elapsed = time.perf_counter() - start
             if round_index >= config.warmup:
-                times[path].append(elapsed)
-    # A step lasts as long as its slowest rank.
-    slowest = torch.tensor([times[p] for p in timed], dtype=torch.float64, device=device)
+                wall[path].append(time.perf_counter() - start)
+                cpu[path].append(time.process_time() - start_cpu)
+    # A step lasts as long as its slowest rank, and costs the CPU time of all of them.
+    slowest = torch.tensor([wall[p] for p in timed], dtype=torch.float64, device=device)
+    cpu_total = torch.tensor([cpu[p] for p in timed], dtype=torch.float64, device=device)
     if timed:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(cpu_total, op=dist.ReduceOp.SUM, group=group)
 
     peaks, how = _peak_memory(paths, timed, device, group)
     return {
         "times": dict(zip(timed, slowest.cpu().tolist(), strict=True)),
+        "cpu_times": dict(zip(timed, cpu_total.cpu().tolist(), strict=True)),
         "refused": refused,
         "peak_mem_bytes": peaks,
         "memory_method": how,

@@ -1,0 +1,145 @@
+"""`python -m crosscheck bench`: the JSON it writes, its refusals, and the numbers behind them.
+
+One quick bench run (module-scoped, ~20 s: a torch launch of two gloo ranks and one JAX worker
+with two setups) serves every test that reads its report; no test asserts a time, only that
+every path of every setup was judged right, timed and measured. The rest is pure numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from crosscheck import exit_codes
+from crosscheck.bench.checks import MIN_NAIVE_GAP, RTOL, refusals
+from crosscheck.bench.stats import summarize
+from crosscheck.cli.commands import main
+
+PATHS = {"naive", "precount", "fused"}
+ROW_KEYS = {
+    "framework",
+    "setup",
+    "path",
+    "median_s",
+    "min_s",
+    "max_s",
+    "ratio_to_naive",
+    "peak_mem_bytes",
+}
+NUMBERS = ("median_s", "min_s", "max_s", "ratio_to_naive", "peak_mem_bytes")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "crosscheck", "bench", "--quick", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=240,  # ~20 s alone; a loaded 2-core machine has taken 3x
+    )
+    assert run.returncode == exit_codes.OK, (
+        f"bench exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    )
+    return json.loads(path.read_text())
+
+
+def test_every_path_of_every_setup_is_timed_with_finite_positive_numbers(report):
+    rows = report["results"]
+    setups = {(row["framework"], row["world_size"]) for row in rows}
+    assert setups == {("torch", 2), ("jax", 2), ("jax", 8)}
+    for setup in setups:
+        paths = [row["path"] for row in rows if (row["framework"], row["world_size"]) == setup]
+        assert sorted(paths) == sorted(PATHS), setup
+    for row in rows:
+        assert set(row) >= ROW_KEYS, sorted(ROW_KEYS - set(row))
+        assert row["refused"] is None, row
+        for key in NUMBERS:
+            value = row[key]
+            assert isinstance(value, int | float) and math.isfinite(value) and value > 0, (
+                row["framework"],
+                row["setup"],
+                row["path"],
+                key,
+                value,
+            )
+        assert row["min_s"] <= row["median_s"] <= row["max_s"], row
+        if row["path"] == "naive":
+            assert row["ratio_to_naive"] == 1.0  # each round's naive over itself
+
+
+def test_the_report_names_the_machine_the_config_and_how_it_measured(report):
+    machine, config = report["machine"], report["config"]
+    assert {"cpu_model", "cores", "torch", "jax", "python"} <= set(machine)
+    assert config["quick"] is True and config["accum"] == 2 and config["rounds"] >= 1
+    assert set(report["memory_method"]) == {"torch", "jax"}
+    assert report["errors"] == {}
+
+
+def test_jax_fused_runs_one_all_reduce_like_naive_and_precount_two(report):
+    counts = {
+        (row["world_size"], row["path"]): row["all_reduces"]
+        for row in report["results"]
+        if row["framework"] == "jax"
+    }
+    for world_size in (2, 8):
+        assert counts[world_size, "fused"] == counts[world_size, "naive"] == 1
+        assert counts[world_size, "precount"] == 2
+
+
+def test_cuda_is_refused_where_torch_sees_too_few_gpus(capsys):
+    import torch  # missing torch fails the test: the refusal is torch's count of GPUs
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.fail("this test checks the refusal on a machine with fewer than 2 GPUs")
+    code = main(["bench", "--device", "cuda", "--ranks", "2"])
+    out = capsys.readouterr().out
+    assert code == exit_codes.SETUP_ERROR
+    assert "--ranks 2 needs 2 GPUs, torch sees" in " ".join(out.split())
+
+
+def test_the_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians():
+    # Round 2 is slow for both paths: per round, fused is 1.1, 1.1, 1.5 x naive.
+    summary = summarize({"naive": [1.0, 1.0, 10.0], "fused": [1.1, 1.1, 15.0]})
+    assert summary["fused"]["ratio_to_naive"] == pytest.approx(1.1)
+    assert summary["fused"]["median_s"] == 1.1 and summary["fused"]["max_s"] == 15.0
+    with pytest.raises(ValueError, match="finite and > 0"):
+        summarize({"naive": [1.0, float("nan")], "fused": [1.0, 1.0]})
+    with pytest.raises(ValueError, match="same, nonzero number of rounds"):
+        summarize({"naive": [1.0, 1.0], "fused": [1.0]})
+
+
+def _references() -> dict[str, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    intended = {"w": rng.normal(size=(4, 3))}
+    return {"intended": intended, "rank_mean": {"w": intended["w"] * 1.25}}
+
+
+def test_a_path_whose_gradient_is_not_its_own_is_refused_and_nan_never_passes():
+    refs = _references()
+    right = {
+        "naive": refs["rank_mean"],
+        "precount": refs["intended"],
+        "fused": {"w": refs["intended"]["w"] * (1 + RTOL / 10)},
+    }
+    assert refusals(right, refs, [900, 100]) == {}
+    wrong = dict(right, fused=refs["rank_mean"])  # fused giving naive's weighting
+    assert list(refusals(wrong, refs, [900, 100])) == ["fused"]
+    poisoned = {"w": refs["intended"]["w"].copy()}
+    poisoned["w"][1, 2] = np.nan
+    assert "precount" in refusals(dict(right, precount=poisoned), refs, [900, 100])
+
+
+def test_naive_is_refused_when_the_batch_does_not_show_what_it_gets_wrong():
+    refs = _references()
+    # Counts differ, yet naive equals the global token mean: the batch or the path is wrong.
+    same = {"naive": refs["intended"], "precount": refs["intended"], "fused": refs["intended"]}
+    refs_equal = {"intended": refs["intended"], "rank_mean": refs["intended"]}
+    assert "naive" in refusals(same, refs_equal, [900, 100])
+    assert refusals(same, refs_equal, [500, 500]) == {}  # equal counts: no gap expected
+    assert MIN_NAIVE_GAP > RTOL
