@@ -24,9 +24,9 @@ import pytest
 import torch
 from torch.func import functional_call
 from torch.nn.functional import cross_entropy
+from transformer_reference import intended_weights
 
 from crosscheck import builtin_fixture
-from crosscheck.contract.spec_scheme import resolve_scheme
 from crosscheck.fixtures.transformer_weights import (
     TRANSFORMER_CONFIG,
     TransformerConfig,
@@ -81,13 +81,6 @@ def _global_batch(fixture_name: str, with_row_fields: bool) -> dict[str, np.ndar
 
 def _long(array: np.ndarray) -> torch.Tensor:
     return torch.tensor(np.asarray(array), dtype=torch.long)
-
-
-def intended_weights(fixture_name: str, scheme: str) -> np.ndarray:
-    """c_t = a_t / D [N, T] from the numpy oracle (an intended scheme's weights do not depend
-    on the layout, so (1, 1) gives every layout's)."""
-    laid_out = builtin_fixture(fixture_name).layout(1, 1)
-    return laid_out.to_global(resolve_scheme(scheme).effective_weights(laid_out))
 
 
 @functools.cache
