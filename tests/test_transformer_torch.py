@@ -171,11 +171,11 @@ def test_a_packed_document_is_computed_as_if_alone() -> None:
     a, b = rng.integers(0, TRANSFORMER_CONFIG.vocab, size=(2, 9))
     packed = torch.tensor([[*a, *b[:6], 0, 0]])
     segments = torch.tensor([[1] * 9 + [2] * 6 + [0, 0]])
-    alone = torch.tensor([list(b[:6])])
+    alone = torch.tensor([[*b[:6]] + [0] * 11])
     model = TinyTransformer()
     with torch.no_grad():
         together = model(packed, segments)[0, 9:15]
-        by_itself = model(alone, torch.ones_like(alone))[0]
+        by_itself = model(alone, torch.tensor([[3] * 6 + [0] * 11]))[0, :6]
     # The same numbers in the same order, except that the softmax rows carry -inf entries
     # (exactly 0 after exp): float64 rounding only, a few ulps of O(10) logits.
     torch.testing.assert_close(together, by_itself, rtol=0, atol=1e-12)
