@@ -204,7 +204,9 @@ def test_weights_map_one_to_one_to_the_shared_file() -> None:
 def test_bad_input_is_named(inputs, segments, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TinyTransformer()(torch.tensor(inputs), torch.tensor(segments))
-    with pytest.raises(ValueError, match=r"inputs must be an int64 tensor, got torch.float64"):
+    with pytest.raises(
+        ValueError, match=r"inputs must be an integer tensor \(int64 or int32\), got torch.float64"
+    ):
         TinyTransformer()(torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2).long())
 
 

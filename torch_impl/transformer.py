@@ -165,7 +165,9 @@ class TinyTransformer(nn.Module):
         where = "TinyTransformer.forward"
         for name, ids in (("inputs", inputs), ("segment_ids", segment_ids)):
             if ids.dtype not in (torch.int64, torch.int32):
-                raise ValueError(f"{where}: {name} must be an int64 tensor, got {ids.dtype}")
+                raise ValueError(
+                    f"{where}: {name} must be an integer tensor (int64 or int32), got {ids.dtype}"
+                )
         if inputs.dim() != 2 or segment_ids.shape != inputs.shape:
             raise ValueError(
                 f"{where}: inputs and segment_ids must both be [B, T], got "
