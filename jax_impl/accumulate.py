@@ -42,6 +42,7 @@ live at a time, which is the point of accumulating.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -55,7 +56,7 @@ from jax_impl.denominators import (
     exact_sum,
     rank_slots,
 )
-from jax_impl.losses import Microbatch, weighted_loss_sum
+from jax_impl.losses import Microbatch, TokenLossesFn, weighted_loss_sum
 from jax_impl.model import Params
 from jax_impl.schemes import (
     IGNORE_INDEX,
@@ -110,6 +111,7 @@ def continue_accumulation(
     token_weights: jax.Array,
     scale: jax.Array,
     sums: tuple[Params, jax.Array],
+    token_losses_fn: TokenLossesFn | None = None,
 ) -> tuple[Params, jax.Array]:
     """`sums` = (gradient sum, loss sum) continued over the microbatches of `rank_batch`.
 
@@ -117,11 +119,11 @@ def continue_accumulation(
     ``lax.scan`` whose carry starts at `sums`: from zeros for a whole update
     (`accumulate_microbatches`), from a checkpoint's partial sums for the rest of a window that
     was stopped part-way (`jax_impl.resume`), with the additions in the same order either way.
-    No collective.
+    No collective. `token_losses_fn`: the model's l_t (None: the bilinear model).
     """
 
-    def scaled_loss(p: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array):
-        loss_sum = weighted_loss_sum(p, inputs, targets, a)
+    def scaled_loss(p: Params, inputs, targets, a, segment_ids):
+        loss_sum = weighted_loss_sum(p, inputs, targets, a, segment_ids, token_losses_fn)
         return loss_sum * scale, loss_sum
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
@@ -132,14 +134,18 @@ def continue_accumulation(
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, loss_acc + loss_sum), None
 
-    xs = (rank_batch.inputs, rank_batch.targets, token_weights)
+    xs = (rank_batch.inputs, rank_batch.targets, token_weights, rank_batch.segment_ids)
     (grads, loss_sum), _ = jax.lax.scan(micro_step, sums, xs)
     return grads, loss_sum
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("token_losses_fn",))
 def accumulate_microbatches(
-    params: Params, rank_batch: Microbatch, token_weights: jax.Array, scale: jax.Array
+    params: Params,
+    rank_batch: Microbatch,
+    token_weights: jax.Array,
+    scale: jax.Array,
+    token_losses_fn: TokenLossesFn | None = None,
 ) -> tuple[Params, jax.Array]:
     """sum over the M microbatches of grad((sum_t a_t l_t) * scale), and sum of sum_t a_t l_t.
 
@@ -155,7 +161,7 @@ def accumulate_microbatches(
         lambda p: jnp.zeros_like(token_weights, shape=p.shape, dtype=p.dtype), params
     )
     init = (zeros, jnp.zeros_like(token_weights, shape=(), dtype=denominator_dtype()))
-    return continue_accumulation(params, rank_batch, token_weights, scale, init)
+    return continue_accumulation(params, rank_batch, token_weights, scale, init, token_losses_fn)
 
 
 def reduce_denominator(
@@ -222,11 +228,13 @@ def rank_gradients(
     strategy: Strategy = Strategy.PRECOUNT,
     collective: Collective = Collective.PSUM,
     scale_override: float | None = None,
+    token_losses_fn: TokenLossesFn | None = None,
 ) -> RankGradients:
     """The reduced gradient of the scheme's objective; call inside `axis_name`'s mapping.
 
     `scale_override` replaces s (precount only) to reproduce a mis-scaled step: s = 1 with
     pmean is the missing-world-size bug, s = R with psum a doubled world size.
+    `token_losses_fn` is the model's l_t (None: the bilinear model).
     """
     world_size = jax.lax.axis_size(axis_name)
     dtype = denominator_dtype()
@@ -244,7 +252,7 @@ def rank_gradients(
         s = reduce_factor(collective, world_size) if scale_override is None else scale_override
         scale = jnp.asarray(s, dtype) / safe_denominator(D)
         grads, local_loss_sum = accumulate_microbatches(
-            params, rank_batch, terms.token_weights, scale
+            params, rank_batch, terms.token_weights, scale, token_losses_fn=token_losses_fn
         )
         grads, total_loss_sum = reduce_precount(grads, local_loss_sum, collective, axis_name)
     elif strategy is Strategy.POSTNORM:
@@ -256,7 +264,7 @@ def rank_gradients(
             )
         one = jnp.ones((), dtype)
         grad_sums, local_loss_sum = accumulate_microbatches(
-            params, rank_batch, terms.token_weights, one
+            params, rank_batch, terms.token_weights, one, token_losses_fn=token_losses_fn
         )
         grads, total_loss_sum, D = reduce_postnorm(
             grad_sums,

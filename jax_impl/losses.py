@@ -16,6 +16,7 @@ that is how real training loops write them (see ``jax_impl.accidental``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -52,15 +53,30 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.where(valid, losses, 0)
 
 
+#: l_t [B, T] of a model, (params, inputs, targets, segment_ids) -> losses (0 where ignored):
+#: a step given one trains that model (``jax_impl.transformer.token_losses``); a step given
+#: None trains the bilinear model, whose logits read the inputs alone.
+TokenLossesFn = Callable[[Params, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 def weighted_loss_sum(
-    params: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array
+    params: Params,
+    inputs: jax.Array,
+    targets: jax.Array,
+    a: jax.Array,
+    segment_ids: jax.Array | None = None,
+    token_losses_fn: TokenLossesFn | None = None,
 ) -> jax.Array:
     """sum_t a_t l_t over every token of `inputs` / `targets` (any leading shape).
 
     a_t l_t in the loss dtype (at least float32), their sum in the denominator dtype: the sum
     is the numerator of L and a logged metric, and is added over microbatches and ranks.
+    l_t is `token_losses_fn`'s (it gets `segment_ids`), or the bilinear model's when None.
     """
-    losses = token_losses(logits_fn(params, inputs), targets)
+    if token_losses_fn is None:
+        losses = token_losses(logits_fn(params, inputs), targets)
+    else:
+        losses = token_losses_fn(params, inputs, targets, segment_ids)
     return jnp.sum(a.astype(losses.dtype) * losses, dtype=denominator_dtype())
 
 

@@ -48,7 +48,7 @@ from jax_impl.denominators import (
     exact_sum,
     rank_slots,
 )
-from jax_impl.losses import token_losses, weighted_loss_sum
+from jax_impl.losses import TokenLossesFn, token_losses, weighted_loss_sum
 from jax_impl.model import Params, logits_fn
 from jax_impl.schemes import IGNORE_INDEX, safe_denominator
 from jax_impl.spec import SchemeSpec, parse_spec
@@ -102,28 +102,29 @@ def _unit_scale(D: jax.Array, numerator: float | jax.Array, units: int) -> jax.A
 
 
 def _scan_scaled(
-    params: Params, batch: SpecBatch, a: jax.Array, scale: jax.Array, inverse_D: jax.Array
-) -> tuple[Params, jax.Array]:
+    params: Params, batch: SpecBatch, a: jax.Array, scale: jax.Array, inverse_D: jax.Array,
+    token_losses_fn: TokenLossesFn | None = None,
+) -> tuple[Params, jax.Array]:  # fmt: skip
     """sum over microbatches of grad((sum a l)_m * scale_m) with a per-microbatch `scale`
     [M] (`accumulate_microbatches` takes one scalar), and sum_m (sum a l)_m * inverse_D_m."""
 
-    def scaled_loss(p, inputs, targets, weights, s):
-        loss_sum = weighted_loss_sum(p, inputs, targets, weights)
+    def scaled_loss(p, inputs, targets, weights, s, segments):
+        loss_sum = weighted_loss_sum(p, inputs, targets, weights, segments, token_losses_fn)
         return loss_sum * s, loss_sum
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
     def micro_step(carry, xs):
         grads_acc, normalized_acc = carry
-        *xs, inverse = xs
-        grads, loss_sum = grad_fn(params, *xs)
+        *xs, inverse, segments = xs
+        grads, loss_sum = grad_fn(params, *xs, segments)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, normalized_acc + loss_sum * inverse), None
 
     # Zeros built from the data: under shard_map they vary across ranks, as the carry must.
     zero = jnp.zeros_like(a, shape=(), dtype=denominator_dtype())
     zeros = jax.tree.map(lambda p: jnp.zeros_like(a, shape=p.shape, dtype=p.dtype), params)
-    xs = (batch.inputs, batch.targets, a, scale, inverse_D)
+    xs = (batch.inputs, batch.targets, a, scale, inverse_D, batch.segment_ids)
     (grads, normalized), _ = jax.lax.scan(micro_step, (zeros, zero), xs)
     return grads, normalized
 
@@ -139,10 +140,12 @@ def spec_rank_gradients(
     strategy: Strategy = Strategy.PRECOUNT,
     collective: Collective = Collective.PSUM,
     scale_override: float | None = None,
+    token_losses_fn: TokenLossesFn | None = None,
 ) -> RankGradients:
     """The reduced gradient of `spec`'s objective; call inside `axis_name`'s mapping.
 
-    `scheme` and `constant_normalizer` (the `RankGradientsFn` arguments) are ignored.
+    `scheme` and `constant_normalizer` (the `RankGradientsFn` arguments) are ignored;
+    `token_losses_fn` is the model's l_t (None: the bilinear model).
     For U = update the reported denominator is D and the per-rank loss sum is sum a l; for
     U = rank or microbatch they are K and the rank's sum over its units of (sum a l) / D_u
     (as `jax_impl.accidental` reports them), so that loss = psum(loss sums) / D either way.
@@ -168,13 +171,17 @@ def spec_rank_gradients(
         if strategy is Strategy.PRECOUNT:
             total_count, slots = reduced
             D = _assemble(spec, total_count, exact_sum(slots), parts)
-            grads, local_loss = accumulate_microbatches(params, rank_batch, a, _unit_scale(D, s, 1))
+            grads, local_loss = accumulate_microbatches(
+                params, rank_batch, a, _unit_scale(D, s, 1), token_losses_fn=token_losses_fn
+            )
             reduce_grads = jax.lax.pmean if collective is Collective.PMEAN else jax.lax.psum
             grads = reduce_grads(grads, axis_name)
             total_loss = jax.lax.psum(local_loss, axis_name)
         else:
             one = jnp.ones((), dtype)
-            grad_sums, local_loss = accumulate_microbatches(params, rank_batch, a, one)
+            grad_sums, local_loss = accumulate_microbatches(
+                params, rank_batch, a, one, token_losses_fn=token_losses_fn
+            )
             count, slots = _update_channels(parts, axis_name)
             grad_sums, total_loss, total_count, slots = jax.lax.psum(
                 (grad_sums, local_loss, count, slots), axis_name
@@ -192,7 +199,7 @@ def spec_rank_gradients(
     if strategy is Strategy.PRECOUNT:
         # Each microbatch's sum scaled by s / (K D_u) before its backward, then the collective.
         grads, local_loss = _scan_scaled(
-            params, rank_batch, a, _unit_scale(D_units, s, K), inverse_D
+            params, rank_batch, a, _unit_scale(D_units, s, K), inverse_D, token_losses_fn
         )
         grads = (jax.lax.pmean if collective is Collective.PMEAN else jax.lax.psum)(
             grads, axis_name
@@ -200,7 +207,9 @@ def spec_rank_gradients(
     elif spec.scope == "rank":
         # The rank's unnormalized sum, divided by its own D_r, summed over ranks, / K.
         one = jnp.ones((), dtype)
-        grad_sums, loss_sum = accumulate_microbatches(params, rank_batch, a, one)
+        grad_sums, loss_sum = accumulate_microbatches(
+            params, rank_batch, a, one, token_losses_fn=token_losses_fn
+        )
         D_r = D_units[0]
         grads = divide_by_denominator(grad_sums, safe_denominator(D_r))
         grads = jax.tree.map(lambda g: jnp.where(D_r > 0, g, jnp.zeros_like(g)), grads)
@@ -209,7 +218,9 @@ def spec_rank_gradients(
     else:
         # A microbatch's own D_rm is applied where its sum is formed (the accumulation adds
         # the microbatches' normalized gradients); summed over ranks, then / K.
-        grads, local_loss = _scan_scaled(params, rank_batch, a, inverse_D, inverse_D)
+        grads, local_loss = _scan_scaled(
+            params, rank_batch, a, inverse_D, inverse_D, token_losses_fn
+        )
         grads = divide_by_denominator(jax.lax.psum(grads, axis_name), K_)
     # local_loss: the rank's sum over its units of (sum a l) / D_u.
     total = jax.lax.psum(local_loss, axis_name)
@@ -227,6 +238,8 @@ class SpecGradients:
     strategy: Strategy = Strategy.PRECOUNT
     collective: Collective = Collective.PSUM
     scale_override: float | None = None
+    #: The model's l_t (``jax_impl.losses.TokenLossesFn``); None: the bilinear model.
+    token_losses_fn: TokenLossesFn | None = None
 
     def __call__(
         self,
@@ -239,7 +252,7 @@ class SpecGradients:
         return spec_rank_gradients(
             params, rank_batch, scheme, constant_normalizer, axis_name, spec=self.spec,
             strategy=self.strategy, collective=self.collective,
-            scale_override=self.scale_override,
+            scale_override=self.scale_override, token_losses_fn=self.token_losses_fn,
         )  # fmt: skip
 
     def global_view(self, params: Params, batch: SpecBatch, axis_name: str) -> ReducedGradients:

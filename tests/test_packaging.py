@@ -111,8 +111,10 @@ def test_make_installs_with_the_constraints_and_reinstalls_when_they_change():
 def test_every_package_is_typed():
     for package in PACKAGES:
         assert (ROOT / package / "py.typed").is_file(), package
+    # Plus the one data file the code reads: the transformer's shared initial weights.
     assert PYPROJECT["tool"]["setuptools"]["package-data"] == {
-        package: ["py.typed"] for package in PACKAGES
+        package: ["py.typed", *(["fixtures/data/*.npz"] if package == "crosscheck" else [])]
+        for package in PACKAGES
     }
 
 
@@ -140,6 +142,7 @@ def test_the_wheel_ships_the_markers_the_ranges_and_the_entry_points(tmp_path):
         metadata = archive.read(f"{info}/METADATA").decode()
         entry_points = archive.read(f"{info}/entry_points.txt").decode()
     assert {f"{package}/py.typed" for package in PACKAGES} <= names
+    assert "crosscheck/fixtures/data/transformer_init.npz" in names
     assert "Requires-Python: >=3.11" in metadata.splitlines()
     runtime = [
         Requirement(line.removeprefix("Requires-Dist: "))

@@ -216,8 +216,23 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     ).view_as(targets)
 
 
+#: l_t [B, T] of one microbatch under a model (0 where the target is ignored): what a step
+#: backpropagates through, so one update loop trains any model whose forward takes what the
+#: microbatch holds (``torch_impl.transformer.microbatch_token_losses`` also reads segments).
+PerTokenLosses = Callable[[nn.Module, TokenBatch], torch.Tensor]
+
+
+def bilinear_token_losses(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """The default `PerTokenLosses`: a model of the inputs alone (``BilinearLM``)."""
+    return token_losses(model(batch.inputs), batch.targets)
+
+
 def microbatch_loss(
-    model: nn.Module, batch: TokenBatch, scheme: WeightingScheme, vocab_size: int
+    model: nn.Module,
+    batch: TokenBatch,
+    scheme: WeightingScheme,
+    vocab_size: int,
+    per_token_losses: PerTokenLosses = bilinear_token_losses,
 ) -> MicrobatchLoss:
     r"""Forward one microbatch and return :math:`(\sum_t a_t l_t,\ d)` and its valid tokens.
 
@@ -226,11 +241,10 @@ def microbatch_loss(
     model's dtype (``WeightingScheme`` builds them from the labels alone), and the weighted sum
     is taken in ``accumulation_dtype``: with bf16 params, a_t rounded to bf16 would already
     move a soft weight by up to :math:`2^{-9}`, and the sum of a_t l_t logged for metrics would
-    carry bf16's error.
+    carry bf16's error. `per_token_losses` runs the model (default: the bilinear model).
     """
     batch.validate(vocab_size)
-    logits = model(batch.inputs)
-    losses = token_losses(logits, batch.targets)
+    losses = per_token_losses(model, batch)
     acc = accumulation_dtype(losses.device)
     weights = scheme.token_weights(batch).to(device=losses.device, dtype=acc)
     return MicrobatchLoss(

@@ -46,7 +46,12 @@ from torch_impl.comm_hooks import PostnormState
 from torch_impl.exact_carry import all_ranks_values
 from torch_impl.guards import PRECHECK_TIMEOUT_S, precheck
 from torch_impl.partial import starting_point
-from torch_impl.schemes import WeightingScheme, global_denominator
+from torch_impl.schemes import (
+    PerTokenLosses,
+    WeightingScheme,
+    bilinear_token_losses,
+    global_denominator,
+)
 from torch_impl.spec import SchemeSpec, get_spec
 from torch_impl.spec_counts import IdBounds, Position, SpecView
 from torch_impl.update import backward_microbatches, divide_exactly, over_or_zero
@@ -176,8 +181,11 @@ def accumulate_spec_precount(
     group: dist.ProcessGroup | None = None,
     id_bounds: IdBounds | None = None,
     timeout_s: float = COUNT_TIMEOUT_S,
+    per_token_losses: PerTokenLosses = bilinear_token_losses,
 ) -> SpecAccumulated:
-    """precount for a spec: one count collective (pre-pass + shares of D), then backward."""
+    """precount for a spec: one count collective (pre-pass + shares of D), then backward.
+
+    `per_token_losses` runs the model on a microbatch (default: the bilinear model)."""
     spec = get_spec(spec)
     precheck(microbatches, vocab_size, group, timeout_s)
     view = spec_view(spec, microbatches, group=group, id_bounds=id_bounds, timeout_s=timeout_s)
@@ -200,8 +208,9 @@ def accumulate_spec_precount(
     # Scope update: s / D as accumulate_precount does; local scopes: the weights already hold
     # 1 / D_u and D is K. Either way in float64, whatever the params' dtype.
     done = backward_microbatches(
-        model, microbatches, scheme, vocab_size, start, scale=over_or_zero(reduce_factor, D)
-    )
+        model, microbatches, scheme, vocab_size, start,
+        scale=over_or_zero(reduce_factor, D), per_token_losses=per_token_losses,
+    )  # fmt: skip
     if _distributed():
         loss_sums = tuple(v for (v,) in all_ranks_values([done.local_loss_sum], group=group))
     else:
@@ -226,6 +235,7 @@ def accumulate_spec_postnorm(
     hook_state: PostnormState,
     id_bounds: IdBounds | None = None,
     timeout_s: float = COUNT_TIMEOUT_S,
+    per_token_losses: PerTokenLosses = bilinear_token_losses,
 ) -> SpecAccumulated:
     """postnorm for a spec: the pre-pass (if any) first, then the hook carries D's shares.
 
@@ -242,7 +252,10 @@ def accumulate_spec_postnorm(
     plan = _plan(view, view.split_prepass(local))
     scheme = _bound_scheme(spec.name, microbatches, plan)
     start = starting_point(None, "postnorm", len(microbatches))
-    backward_microbatches(model, microbatches, scheme, vocab_size, start, hook_state=hook_state)
+    backward_microbatches(
+        model, microbatches, scheme, vocab_size, start,
+        hook_state=hook_state, per_token_losses=per_token_losses,
+    )  # fmt: skip
     per_rank = hook_state.take()
     D = global_denominator(scheme, [d for d, _, _ in per_rank])
     with torch.no_grad():

@@ -68,8 +68,10 @@ from torch_impl.guards import (
 from torch_impl.guards import RankMismatchError as RankMismatchError
 from torch_impl.partial import PartialAccumulation, ResumeMismatchError, Strategy, starting_point
 from torch_impl.schemes import (
+    PerTokenLosses,
     WeightingScheme,
     accumulation_dtype,
+    bilinear_token_losses,
     global_denominator,
     microbatch_loss,
 )
@@ -145,6 +147,7 @@ def backward_microbatches(
     stop: int | None = None,
     scale: float | None = None,
     hook_state: PostnormState | None = None,
+    per_token_losses: PerTokenLosses = bilinear_token_losses,
 ) -> PartialAccumulation:
     """Forward and backward microbatches [start.microbatches_done, stop) and add their sums
     (`stop` None: through the update's last microbatch).
@@ -152,6 +155,7 @@ def backward_microbatches(
     Only microbatch M - 1, the update's last, synchronizes gradients. `scale` multiplies each
     weighted sum (precount's s / D; None: unnormalized, postnorm). For postnorm the hook is
     armed with this rank's totals over all M microbatches just before that last backward.
+    `per_token_losses` runs the model on a microbatch (``torch_impl.schemes.PerTokenLosses``).
     """
     # Python floats (float64) and ints: the running sums of d and of the loss never take the
     # params' dtype; postnorm's hook then carries them exactly in any bucket dtype.
@@ -161,7 +165,7 @@ def backward_microbatches(
     for step in range(start.microbatches_done, stop):
         where = f"rank {rank_of(microbatches, step)}, microbatch {step}"
         with sync_context(model, step == last):
-            out = microbatch_loss(model, microbatches[step], scheme, vocab_size)
+            out = microbatch_loss(model, microbatches[step], scheme, vocab_size, per_token_losses)
             loss_value = float(out.weighted_sum.detach())
             if not math.isfinite(loss_value):
                 # Before the backward and before postnorm's hook is armed: a NaN must not
@@ -213,6 +217,7 @@ def accumulate_precount(
     group: dist.ProcessGroup | None = None,
     resume: PartialAccumulation | None = None,
     precheck_timeout_s: float = PRECHECK_TIMEOUT_S,
+    per_token_losses: PerTokenLosses = bilinear_token_losses,
 ) -> Accumulated:
     """precount: all-reduce d first, then backpropagate (sum a_t l_t) * s / D, s = reduce_factor.
 
@@ -226,7 +231,10 @@ def accumulate_precount(
     start, D = _precount_counts(microbatches, scheme, start, group)
     # s / D in float64, never in the params' dtype: D past 2^24 (or 256 in bf16) would round.
     scale = over_or_zero(reduce_factor, D)
-    done = backward_microbatches(model, microbatches, scheme, vocab_size, start, scale=scale)
+    done = backward_microbatches(
+        model, microbatches, scheme, vocab_size, start,
+        scale=scale, per_token_losses=per_token_losses,
+    )  # fmt: skip
     # Metrics only (the objective's value); a loop that does not log it can skip this.
     loss_sums = tuple(v for (v,) in all_ranks_values([done.local_loss_sum], group=group))
     return Accumulated(
@@ -246,6 +254,7 @@ def accumulate_postnorm(
     hook_state: PostnormState,
     resume: PartialAccumulation | None = None,
     precheck_timeout_s: float = PRECHECK_TIMEOUT_S,
+    per_token_losses: PerTokenLosses = bilinear_token_losses,
 ) -> Accumulated:
     """postnorm: backpropagate sum a_t l_t; the hook sums and carries d; divide by D after.
 
@@ -256,7 +265,10 @@ def accumulate_postnorm(
     """
     precheck(microbatches, vocab_size, hook_state.process_group, precheck_timeout_s)
     start = starting_point(resume, "postnorm", len(microbatches))
-    backward_microbatches(model, microbatches, scheme, vocab_size, start, hook_state=hook_state)
+    backward_microbatches(
+        model, microbatches, scheme, vocab_size, start,
+        hook_state=hook_state, per_token_losses=per_token_losses,
+    )  # fmt: skip
     per_rank = hook_state.take()
     denominators = tuple(d for d, _, _ in per_rank)
     D = global_denominator(scheme, list(denominators))

@@ -1,0 +1,160 @@
+"""Runner of tests/test_transformer_jax.py's float64 checks (jax_enable_x64 is global: own process).
+
+``python tests/transformer_jax_runner.py --out DIR`` writes
+
+* ``DIR/records.json``: one record per compared case, ``{"fixture", "scheme", "R", "M",
+  "strategy", "err", "leaf"}``, err being ``tree_rel_err`` (max |a - b| / max |b|, worst
+  parameter) of the distributed update's gradient against the single-process gradient of the
+  intended objective; inf when a gradient holds NaN or inf;
+* ``DIR/single_process.npz``: the single-process gradient of token_mean on ``packed``, for the
+  test to compare with torch's.
+
+The distributed updates are the project's own steps under ``shard_map`` on a mesh of R fake
+CPU devices, given the transformer's per-token losses: ``jax_impl.accumulate.rank_gradients``
+for token_mean and sequence_mean (the scheme is a traced index, so one compiled program per
+layout serves both and all three strategies), ``jax_impl.spec_step.SpecGradients`` for the
+group mean. The single-process reference is ``jax.grad`` of sum_t c_t l_t over the whole
+global batch, with c_t = a_t / D from the numpy oracle's scheme objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from pathlib import Path
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402  (x64 must be on before any array exists)
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from transformer_reference import intended_weights  # noqa: E402
+
+from crosscheck import builtin_fixture  # noqa: E402
+from crosscheck.judge.compare import tree_rel_err  # noqa: E402
+from jax_impl import transformer  # noqa: E402
+from jax_impl.accumulate import Collective, Strategy, rank_gradients  # noqa: E402
+from jax_impl.batch import lay_out_global_batch  # noqa: E402
+from jax_impl.shard_map_step import data_mesh, make_shard_map_sweep  # noqa: E402
+from jax_impl.spec import named_spec  # noqa: E402
+from jax_impl.spec_batch import lay_out_spec_batch  # noqa: E402
+from jax_impl.spec_step import SpecGradients  # noqa: E402
+from jax_impl.update import StepConfig  # noqa: E402
+
+LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
+#: (strategy, gradient collective): precount with pmean (s = R: the scale a psum would not
+#: need, so both the count and the factor are exercised) and postnorm (one psum of gradient
+#: sums and counts, then / D). Precount with psum is the same program with s = 1; compiling
+#: it too would cost a third more and check no other reduction.
+VARIANTS = (
+    (Strategy.PRECOUNT, Collective.PMEAN),
+    (Strategy.POSTNORM, Collective.PSUM),
+)
+V1_CASES = (("packed", "token_mean"), ("packed", "sequence_mean"))
+GROUP_CASE = ("rollouts", "group_token_mean")
+TOKEN_KEYS = ("inputs", "targets", "segment_ids", "weights")
+ROW_FIELDS = ("group_ids", "document_ids", "row_weights", "sample_mask")
+
+
+@jax.jit
+def single_process_gradient(params, inputs, targets, segment_ids, c):
+    """grad of sum_t c_t l_t over the whole [N, T] batch in one process: the objective."""
+
+    def objective(p):
+        return jnp.sum(c * transformer.token_losses(p, inputs, targets, segment_ids))
+
+    return jax.grad(objective)(params)
+
+
+def reference(fixture_name: str, scheme: str, params) -> dict[str, np.ndarray]:
+    fixture = builtin_fixture(fixture_name)
+    grads = single_process_gradient(
+        params,
+        fixture.inputs,
+        fixture.targets,
+        fixture.segment_ids,
+        intended_weights(fixture_name, scheme),
+    )
+    return transformer.numpy_params(grads)
+
+
+def record(fixture: str, scheme: str, R: int, M: int, variant, grads, want) -> dict:
+    got = transformer.numpy_params(grads)
+    worst = tree_rel_err(got, want)
+    finite = all(np.isfinite(v).all() for v in got.values())
+    strategy, collective = variant
+    return {
+        "fixture": fixture,
+        "scheme": scheme,
+        "R": R,
+        "M": M,
+        "strategy": f"{strategy.value}-{collective.value}",
+        "err": worst.max_rel_err if finite else float("inf"),
+        "leaf": worst.leaf,
+    }
+
+
+def run(out: Path) -> None:
+    params = transformer.initial_params(jnp.float64)
+    references = {case: reference(*case, params) for case in (*V1_CASES, GROUP_CASE)}
+    np.savez(out / "single_process.npz", **references[("packed", "token_mean")])
+    v1_configs = [
+        StepConfig(
+            optimizer=optax.sgd(0.1),
+            gradients=functools.partial(
+                rank_gradients,
+                strategy=strategy,
+                collective=collective,
+                token_losses_fn=transformer.token_losses,
+            ),
+        )
+        for strategy, collective in VARIANTS
+    ]
+    group_spec = named_spec(GROUP_CASE[1])
+    group_configs = [
+        StepConfig(
+            optimizer=optax.sgd(0.1),
+            gradients=SpecGradients(
+                group_spec, strategy, collective, token_losses_fn=transformer.token_losses
+            ),
+        )
+        for strategy, collective in VARIANTS
+    ]
+    packed, rollouts = builtin_fixture("packed"), builtin_fixture("rollouts")
+    vocab = transformer.TRANSFORMER_CONFIG.vocab
+    records = []
+    for R, M in LAYOUTS:
+        mesh = data_mesh(R)
+        batch = lay_out_global_batch(
+            {k: getattr(packed, k) for k in TOKEN_KEYS}, R, M, vocab_size=vocab
+        )
+        sweep = make_shard_map_sweep(v1_configs, mesh)
+        for fixture, scheme in V1_CASES:
+            outs = sweep([params] * len(VARIANTS), batch, scheme)
+            want = references[(fixture, scheme)]
+            records += [
+                record(fixture, scheme, R, M, v, o.grads, want)
+                for v, o in zip(VARIANTS, outs, strict=True)
+            ]
+        spec_batch = lay_out_spec_batch(
+            {k: getattr(rollouts, k) for k in (*TOKEN_KEYS, *ROW_FIELDS)}, R, M, vocab_size=vocab
+        )
+        outs = make_shard_map_sweep(group_configs, mesh)([params] * len(VARIANTS), spec_batch)
+        want = references[GROUP_CASE]
+        records += [
+            record(*GROUP_CASE, R, M, v, o.grads, want) for v, o in zip(VARIANTS, outs, strict=True)
+        ]
+    (out / "records.json").write_text(json.dumps(records, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    run(parser.parse_args().out)
+
+
+if __name__ == "__main__":
+    main()
