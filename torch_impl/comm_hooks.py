@@ -86,7 +86,8 @@ def sum_and_carry_hook(
         # Limbs of the bucket's own dtype (float64, float32 or bf16): d stays exact in any of
         # them, where d itself in a bf16 bucket would round past 256 (float32: past 2^24).
         extras = encode_slots(values, state.rank, state.world_size, buffer.dtype)
-        payload = torch.cat([buffer, extras])
+        # The slots are built on the CPU; a GPU bucket needs them beside it (NCCL).
+        payload = torch.cat([buffer, extras.to(buffer.device)])
         state.pending = None  # consumed: the next update must arm again
     work = dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
 

@@ -16,6 +16,7 @@ judged before any timing), `memory` (peak RSS of one call), `stats` (medians and
 `runner` (launching both frameworks), `report` (the table and the JSON), `command` (the
 command line's glue). docs/bench.md says how to read it.
 
-Layer: above `verification`, below `cli`; imports `contract`, `judge` and `launch` only.
+Layer: above `verification`, below `cli`; imports `judge`, `launch` and `run` (what is
+installed) only.
 torch and JAX are imported only in the processes that run them.
 """

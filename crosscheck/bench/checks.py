@@ -7,11 +7,11 @@ unnormalized gradient sum G_r and valid-token count n_r (its own code, in its ow
     intended  = sum_r G_r / sum_r n_r          (the global token mean)
     rank_mean = (1/R) sum_r G_r / n_r          (each rank's mean, averaged: what naive gives)
 
-and hands them here as numpy arrays. precount and fused must give `intended`, naive must give
-`rank_mean`, each to the float32 tolerance; and where the ranks hold different counts, naive
-must also differ from `intended` by more than that tolerance, or the batch would not show the
-difference the bench is about. A path that fails is refused: named, with its error, and not
-timed.
+and hands them here as numpy arrays. precount and fused must give `intended` (and each
+other), naive must give `rank_mean`, each to the float32 tolerance; and where the ranks hold
+different counts, naive must also differ from `intended` by more than 10x that tolerance, or
+the batch would not show the difference the bench is about. A path that fails is refused:
+named, with its error, and not timed.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ def refusals(
         worst = tree_rel_err(grads, references[expected])
         if not (math.isfinite(worst.max_rel_err) and worst.max_rel_err <= RTOL):
             why[path] = f"gradient is not {expected}'s: {worst.describe()} exceeds {RTOL:.0e}"
+    if "precount" in path_grads and "fused" in path_grads and "fused" not in why:
+        # Both against each other too: the same objective by two routes, float32 apart.
+        worst = tree_rel_err(path_grads["fused"], path_grads["precount"])
+        if not (math.isfinite(worst.max_rel_err) and worst.max_rel_err <= RTOL):
+            why["fused"] = f"gradient is not precount's: {worst.describe()} exceeds {RTOL:.0e}"
     if "naive" in path_grads and len(set(rank_counts)) > 1:
         gap = tree_rel_err(path_grads["naive"], references["intended"]).max_rel_err
         if not gap > MIN_NAIVE_GAP:

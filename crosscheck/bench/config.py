@@ -24,9 +24,9 @@ DEVICES = ("cpu", "cuda")
 class BenchConfig:
     """Sizes and counts of one bench run (`quick` is what the test suite runs)."""
 
-    # B x T x M: 2 x 128 x 2 tokens per rank and update, a step of tens of milliseconds
-    # per rank on one CPU core, so that the whole bench stays near a minute on two cores.
-    rows: int = 2  # B: rows per microbatch per rank
+    # B x T x M: 4 x 128 x 2 tokens per rank and update, a step of tens of milliseconds per
+    # rank on one CPU core, so that the whole bench stays near a minute on two idle cores.
+    rows: int = 4  # B: rows per microbatch per rank
     seq_len: int = 128  # T: tokens per row (the transformer's max_positions)
     accum: int = 2  # M: microbatches per update
     warmup: int = 3  # untimed rounds first: allocator, caches, JAX dispatch warm up

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from crosscheck.bench.config import BenchConfig
 from crosscheck.launch.workers import jax_launch
+from crosscheck.run.implementations import not_installed
 
 #: Bounds of one framework's run: the full bench takes about a minute on two shared cores.
 TORCH_TIMEOUT_S = 300.0
@@ -47,7 +48,12 @@ class BenchRun:
 
 
 def check_devices(config: BenchConfig) -> None:
-    """Refuse `--device cuda` where fewer GPUs are visible than torch ranks asked for."""
+    """Refuse a framework that is not installed, and `--device cuda` where fewer GPUs are
+    visible than torch ranks asked for."""
+    for framework in ("torch", "jax"):
+        missing = not_installed(framework)
+        if missing:
+            raise BenchSetupError(f"{missing}; the bench times both frameworks")
     if config.device != "cuda":
         return
     import torch

@@ -86,15 +86,18 @@ class Paths:
                 (loss_sum if scale is None else loss_sum * scale).backward()
 
     def naive(self) -> None:
+        """(1/R) sum_r G_r / n_r: this rank's own mean, DDP's average over ranks."""
         self._backward_all(self.averaging, 1.0 / self.local_count())
 
     def precount(self) -> None:
+        """sum_r G_r / N: N all-reduced first, then sum * R / N under DDP's average."""
         count = torch.tensor([self.local_count()], dtype=torch.int64, device=self._device())
         dist.all_reduce(count, group=self.group)  # the one extra, scalar collective
         # DDP averages the gradient (divides by R), so s = R puts back the sum over ranks.
         self._backward_all(self.averaging, self.world_size / int(count.item()))
 
     def fused(self) -> None:
+        """sum_r G_r / N: the plain sum, n_r carried in the gradient's all-reduce, then / N."""
         self.hook_state.arm(self.local_count())  # carried in the last backward's all-reduce
         self._backward_all(self.carrying, None)
         total = math.fsum(n for (n,) in self.hook_state.take())
