@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -293,30 +292,19 @@ def divide_exactly(grad: torch.Tensor, D: float) -> None:
     better. Here the exact float64 D divides the upcast gradient (one float64 rounding, and
     dividing rather than multiplying by 1/D keeps it one) and only the quotient is cast to the
     gradient's dtype. D = 0: every a_t was 0 and the sums are exact zeros; zero them, never
-    0/0.
-
-    A float32 gradient whose D is exactly a float32 (every count below 2^24) is divided in
-    place: D is not rounded, and one IEEE float32 division is the correctly rounded quotient,
-    which the float64 detour only matches (it rounds twice). The detour's upcast and copy
-    cost a quarter of a millisecond per update of a 290k-parameter model on one CPU core,
-    most of what postnorm costs over DDP's plain average (docs/bench.md).
+    0/0. A float32 gradient whose D is a float32 (every count below 2^24) divides in place:
+    one correctly rounded division, where the detour rounds twice and copies (docs/bench.md).
     """
     if not D:
         grad.zero_()
         return
     acc = accumulation_dtype(grad.device)
-    if grad.dtype == acc or (grad.dtype == torch.float32 and _is_float32(D)):
+    mantissa, exponent = math.frexp(D)  # a normal float32: 24-bit significand, in range
+    in_float32 = -125 <= exponent <= 128 and (mantissa * 2**24).is_integer()
+    if grad.dtype == acc or (grad.dtype == torch.float32 and in_float32):
         grad.div_(D)  # D is exact in grad's dtype: not rounded, and no copy is needed
     else:
         grad.copy_(grad.to(acc).div_(D))
-
-
-def _is_float32(value: float) -> bool:
-    """Whether `value` is exactly representable in float32 (and so not rounded by the cast)."""
-    try:
-        return struct.unpack("f", struct.pack("f", value))[0] == value
-    except OverflowError:  # beyond float32's range
-        return False
 
 
 def accumulate_partial(
