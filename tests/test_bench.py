@@ -7,6 +7,7 @@ every path of every setup was judged right, timed and measured. The rest is pure
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -19,6 +20,7 @@ from crosscheck import exit_codes
 from crosscheck.bench.checks import MIN_NAIVE_GAP, RTOL, refusals
 from crosscheck.bench.stats import summarize
 from crosscheck.cli.commands import main
+from crosscheck.run import implementations
 
 PATHS = {"naive", "precount", "fused"}
 ROW_KEYS = {
@@ -101,6 +103,25 @@ def test_cuda_is_refused_where_torch_sees_too_few_gpus(capsys):
     out = capsys.readouterr().out
     assert code == exit_codes.SETUP_ERROR
     assert "--ranks 2 needs 2 GPUs, torch sees" in " ".join(out.split())
+
+
+def test_a_framework_not_installed_or_no_ranks_is_one_setup_error(monkeypatch, capsys):
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):  # jax looks absent, as in a fresh environment
+        return None if name.split(".")[0] == "jax" else real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    implementations.not_installed.cache_clear()
+    try:
+        code = main(["bench", "--quick"])
+    finally:
+        implementations.not_installed.cache_clear()
+    assert code == exit_codes.SETUP_ERROR
+    assert "jax is not installed here (pip install 'gradweight[jax]')" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert main(["bench", "--ranks", "0"]) == exit_codes.SETUP_ERROR
+    assert "--ranks must be at least 1, got 0" in capsys.readouterr().out
 
 
 def test_the_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians():

@@ -22,6 +22,8 @@ from crosscheck.bench.runner import run_bench
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of the options (`crosscheck.cli.parser`'s ``bench`` subcommand)."""
+    if args.ranks < 1:
+        raise BenchSetupError(f"--ranks must be at least 1, got {args.ranks}")
     try:
         config = BenchConfig(device=args.device, platform=args.platform, torch_ranks=args.ranks)
     except ValueError as error:
