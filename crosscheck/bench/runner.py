@@ -21,7 +21,8 @@ from crosscheck.bench.config import BenchConfig
 from crosscheck.launch.workers import jax_launch
 from crosscheck.run.implementations import not_installed
 
-#: Bounds of one framework's run: the full bench takes about a minute on two shared cores.
+#: Bounds of one framework's run: the whole bench took 1.5 to 2.5 minutes on two heavily
+#: shared cores (about 55 s of CPU), JAX's part the longer.
 TORCH_TIMEOUT_S = 300.0
 JAX_TIMEOUT_S = 400.0
 #: A gloo collective whose peer died fails after this long instead of waiting forever.
