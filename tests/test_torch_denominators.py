@@ -43,7 +43,7 @@ from torch_impl.model import BilinearLM, numpy_grads
 from torch_impl.optimizers import OptimizerSpec
 from torch_impl.schemes import microbatch_loss, token_losses, weighted_mean
 from torch_impl.schemes import token_mean as torch_token_mean
-from torch_impl.update import accumulate_postnorm
+from torch_impl.update import accumulate_postnorm, divide_exactly
 
 WORLD_SIZE = 2
 #: Each launch must finish within this: the whole module's cases take a few seconds.
@@ -321,6 +321,23 @@ def test_float32_postnorm_divides_by_the_exact_denominator() -> None:
                 f"rank {rank}: {mismatched} of {grad.size} {name} entries are not "
                 f"float32(G / {expected_D:.0f})"
             )
+
+
+def test_float32_division_by_a_float32_exact_denominator_is_correctly_rounded() -> None:
+    """D exact in float32 (every count below 2^24) divides the float32 gradient in place: one
+    IEEE division, numpy's float32 quotient bit for bit. An odd D past 2^24 still divides in
+    float64 and casts, never by D rounded to float32."""
+    grad = torch.randn(100_000, generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    for D in (977.0, 2.0**24, 1.5):
+        quotient = grad.clone()
+        divide_exactly(quotient, D)
+        assert np.array_equal(quotient.numpy(), grad.numpy() / np.float32(D)), D
+    odd = 25165513.0  # dedup-seed's D: float32 would round it to 25165512
+    quotient = grad.clone()
+    divide_exactly(quotient, odd)
+    exact = (grad.numpy().astype(np.float64) / odd).astype(np.float32)
+    assert np.array_equal(quotient.numpy(), exact)
+    assert not np.array_equal(exact, grad.numpy() / np.float32(odd))
 
 
 def test_bf16_microbatch_terms_are_float64() -> None:
