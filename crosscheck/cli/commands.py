@@ -31,6 +31,7 @@ from rich.table import Table
 from crosscheck import exit_codes
 from crosscheck.cli.outputs import check_outputs, creatable, refuse
 from crosscheck.cli.parser import build_parser, run_list_values
+from crosscheck.cli.placement import placed, torch_ranks
 from crosscheck.cli.report import (
     print_results,
     print_skipped,
@@ -112,6 +113,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "crosscheck run: --plot needs matplotlib, which is not installed here: "
             "pip install 'gradweight[plot]'",
         )
+    try:  # where the torch ranks and JAX workers run (docs/gpu.md), before any process
+        placement = placed(args.device, args.platform, torch_ranks(plan))
+    except ValueError as error:
+        return refuse(console, f"crosscheck run: {error}")
+    with placement:
+        return _run_matrix(args, console, plan, started)
+
+
+def _run_matrix(args: argparse.Namespace, console: Console, plan: Plan, started: float) -> int:
     if "seed" in plan.fixtures:
         console.print(seed_weights_table())
     with Progress(
@@ -244,6 +254,12 @@ def verify(args: argparse.Namespace, console: Console) -> int:
     problem = check_outputs("verify", {"--json": args.json})
     if problem:
         return refuse(console, problem)
+    # Under torchrun or in a multi-host JAX job: this process is one rank of it (docs/gpu.md).
+    from crosscheck.cli.launched_verify import launched_verify
+
+    launched = launched_verify(args, console)
+    if launched is not None:
+        return launched
     return verify_command(args, console)
 
 
