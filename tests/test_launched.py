@@ -229,7 +229,7 @@ def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return " ".join(capsys.readouterr().out.split())
 
 
-def test_cuda_without_a_gpu_is_refused_before_any_process(
+def test_an_accelerator_that_is_not_here_is_refused_before_any_process(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     import torch
@@ -241,6 +241,10 @@ def test_cuda_without_a_gpu_is_refused_before_any_process(
     run = ["run", "--impls", "oracle,torch-ddp", "--world-sizes", "1", "--device", "cuda"]
     out = _refusal(run, capsys)
     assert "crosscheck run: --device cuda: torch sees no CUDA GPU here" in out
+    # JAX on a platform it cannot start: probed once, refused, not a bare error per job.
+    jax_step = ["--framework", "jax", "--step", "examples.jax_token_weighted:step"]
+    out = _refusal(["verify", *jax_step, "--scheme", "token_mean", "--platform", "gpu"], capsys)
+    assert "--platform gpu: JAX cannot run on cuda here (no cuda device or plugin" in out
 
 
 def test_a_half_set_launcher_environment_is_refused(

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "pip install 'gradweight[plot]'",
         )
     try:  # where the torch ranks and JAX workers run (docs/gpu.md), before any process
-        placement = placed(args.device, args.platform, torch_ranks(plan))
+        placement = placed(args.device, args.platform, torch_ranks(plan), plan.impls)
     except ValueError as error:
         return refuse(console, f"crosscheck run: {error}")
     with placement:

@@ -18,6 +18,7 @@ from crosscheck.launch.devices import (
     JAX_PLATFORM_VALUES,
     PLATFORM_ENV,
     DeviceError,
+    jax_platform_problem,
     resolve_torch_device,
 )
 from crosscheck.run.implementations import framework_of
@@ -49,14 +50,20 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def placed(device: str, platform: str, ranks: int) -> contextlib.AbstractContextManager[None]:
+def placed(
+    device: str, platform: str, ranks: int, impls: list[str]
+) -> contextlib.AbstractContextManager[None]:
     """A context in which the run's torch ranks use `device` and its JAX workers `platform`.
 
     Raises DeviceError (a ValueError) before any process starts: ``--device cuda`` without
-    enough GPUs for `ranks`, or an unknown platform. A run without torch ranks (`ranks` 0)
-    never looks for a GPU.
+    enough GPUs for `ranks`, or a platform JAX cannot start here. A run without torch ranks
+    (`ranks` 0) never looks for a GPU, one without JAX workers (`impls`) never probes JAX.
     """
     if platform not in JAX_PLATFORM_VALUES:
         raise DeviceError(f"--platform must be one of {', '.join(JAX_PLATFORM_VALUES)}")
     resolved = resolve_torch_device(device, ranks) if ranks else "cpu"
+    runs_jax = any(impl != "oracle" and framework_of(impl) == "jax" for impl in impls)
+    problem = jax_platform_problem(platform) if runs_jax else ""
+    if problem:
+        raise DeviceError(problem)
     return _environment({DEVICE_ENV: resolved, PLATFORM_ENV: platform})

@@ -26,6 +26,8 @@ a fork server or spawned, never from this process, so checking here cannot poiso
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 TORCH_DEVICES = ("auto", "cpu", "cuda")
 JAX_PLATFORMS = ("cpu", "gpu", "tpu")
@@ -92,6 +94,45 @@ def jax_platform_env(platform: str, env: dict[str, str]) -> dict[str, str]:
         kept = [f for f in flags if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(kept)
     return env
+
+
+#: How long `jax_platform_problem`'s probe may take: importing JAX and starting one backend
+#: (a few seconds; a GPU backend's first start may take longer).
+PLATFORM_PROBE_TIMEOUT_S = 60.0
+_PROBE = "import jax; print(jax.device_count(), jax.devices()[0].platform)"
+
+
+def jax_platform_problem(platform: str) -> str:
+    """Why JAX cannot run on `platform` here, or ''. The CPU always can; another platform is
+    probed in a short, bounded process of its own (this one must not start a JAX backend:
+    the platform is process-global). Without the probe a worker on a missing platform fails
+    every job with JAX's bare AssertionError."""
+    if platform == "cpu":
+        return ""
+    env = jax_platform_env(platform, dict(os.environ))
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", _PROBE],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=PLATFORM_PROBE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return (
+            f"--platform {platform}: JAX did not start its {env['JAX_PLATFORMS']} backend "
+            f"within {PLATFORM_PROBE_TIMEOUT_S:g} s"
+        )
+    if probe.returncode == 0:
+        return ""
+    lines = [line for line in probe.stderr.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else f"exit status {probe.returncode}"
+    if last.strip() == "AssertionError":  # JAX's own when no backend of the list started
+        last = f"no {env['JAX_PLATFORMS']} device or plugin was found"
+    return (
+        f"--platform {platform}: JAX cannot run on {env['JAX_PLATFORMS']} here ({last}); "
+        "use --platform cpu"
+    )
 
 
 #: Set by `crosscheck run --platform` / `verify --platform` for the JAX workers this process

@@ -37,7 +37,7 @@ from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.diagnosis.verdict import PRECISIONS
 from crosscheck.fixtures.builtin import builtin_fixture
-from crosscheck.launch.devices import resolve_torch_device
+from crosscheck.launch.devices import DeviceError, jax_platform_problem, resolve_torch_device
 from crosscheck.run.implementations import not_installed
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.report import VerifyCase, VerifyReport
@@ -188,6 +188,9 @@ def verify(
         ranks = max(job.world_size for job in jobs)
         place = {"device": resolve_torch_device(device, ranks)}
     else:
+        problem = jax_platform_problem(platform or "cpu")
+        if problem:
+            raise DeviceError(problem)
         place = {"platform": platform}
     # Once, before any process starts: a step that does not exist is a set-up error (raised
     # here, exit 2 on the command line), never a failing case per fixture and layout.
