@@ -1,11 +1,12 @@
-"""`crosscheck verify` under an existing launcher, and the device choice (docs/gpu.md).
+"""`crosscheck verify` and `run` under an existing launcher, and the device choice (docs/gpu.md).
 
 Real launches on the CPU: ``torchrun`` (torch's ``torch.distributed.run``, two ranks on gloo)
 and a two-process ``jax.distributed`` job (gloo collectives, one CPU device per process), each
-process running ``python -m crosscheck verify ... --json``. The four launches (a passing and a
-failing step in each framework) start at once in one module fixture: most of their time is
-start-up and waiting on peers, not CPU. Every wait is bounded and every launch is a session of
-its own, killed whole if it outlives its bound, so nothing is left running.
+process running ``python -m crosscheck verify ... --json`` (or ``run``). The five launches (a
+passing and a failing step in each framework, and `crosscheck run`'s torch rows under
+torchrun) start at once in one module fixture: most of their time is start-up and waiting on
+peers, not CPU. Every wait is bounded and every launch is a session of its own, killed whole
+if it outlives its bound, so nothing is left running.
 
 Where no GPU is (here), ``--device cuda`` must be refused with exit 2 and a message naming
 what is missing; the choice ``auto`` makes is checked with the GPU count given.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,7 +40,7 @@ from crosscheck.launch.external import (
 from jax_impl.harness.launch import reserve_port
 from jax_impl.harness.multiprocess import worker_env
 
-#: Each launch's bound: four start together on two shared cores; alone, a torchrun launch
+#: Each launch's bound: five start together on two shared cores; alone, a torchrun launch
 #: took 12 s and a two-process JAX job 45 s (its six default jobs; these run one or two).
 LAUNCH_TIMEOUT_S = 300
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -81,7 +83,7 @@ def _finish(process: subprocess.Popen, log: Path, report: Path | None) -> Finish
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Finished]]:
-    """Four launches at once; per launch, what each of its (top-level) processes left."""
+    """Five launches at once; per launch, what each of its (top-level) processes left."""
     tmp = tmp_path_factory.mktemp("launched")
     started: dict[str, list[tuple[subprocess.Popen, Path, Path | None]]] = {}
     torch_steps = {
@@ -94,6 +96,13 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Finishe
             report, log = tmp / f"{name}.json", tmp / f"{name}.log"
             command = [*TORCHRUN, *VERIFY, "--framework", "torch", "--step", step]
             started[name] = [(_start([*command, "--json", str(report)], _env(), log), log, report)]
+        # The matrix's torch rows, their launch run inside torchrun's two ranks.
+        report, log = tmp / "torch-run.json", tmp / "torch-run.log"
+        command = [*TORCHRUN, "-m", "crosscheck", "run", "--impls", "oracle,torch-ddp"]
+        command += ["--fixture", "packed", "--schemes", "token_mean,rank_mean", "--accum", "1,2"]
+        started["torch-run"] = [
+            (_start([*command, "--json", str(report)], _env(), log), log, report)
+        ]
         jax_cases = {
             "jax-pass": ["--step", "examples.jax_token_weighted:step", "--accum", "1,2"],
             "jax-fail": ["--step", "examples.jax_optax_multisteps:step", "--accum", "2"],
@@ -142,9 +151,30 @@ def test_torchrun_names_a_failing_step_and_every_rank_exits_alike(launched: dict
     (run,) = launched["torch-fail"]
     assert run.report["ok"] is False, run.output[-3000:]
     assert run.report["diagnosis"]["best_match"] == "microbatch-mean"
-    # torchrun exits 1 when a rank does; its summary lists each rank's own status: both 1.
+    # torchrun exits 1 when a rank does. Its summary lists each rank's status: 1, or SIGTERM
+    # for a rank torchrun stopped because a peer exited first (it stops the rest at the first
+    # non-zero exit), after the agreement: never another status.
     assert run.returncode == 1
-    assert run.output.count("exitcode  : 1") == 2, run.output[-3000:]
+    statuses = re.findall(r"exitcode\s+: (-?\d+)", run.output)
+    assert len(statuses) == 2 and set(statuses) <= {"1", "-15"}, run.output[-3000:]
+    assert "1" in statuses
+
+
+def test_torchrun_runs_the_matrix_torch_rows_in_its_own_ranks(launched: dict) -> None:
+    (run,) = launched["torch-run"]
+    assert run.returncode == exit_codes.OK, run.output[-3000:]
+    assert run.report["ok"] is True and run.report["plan"]["world_sizes"] == [2]
+    ddp = [row for row in run.report["results"] if row["impl"] == "torch-ddp"]
+    # token_mean by both strategies at M = 1, 2; rank_mean's plain mean loop at M = 1.
+    assert sorted((r["scheme"], r["strategy"], r["accum_steps"]) for r in ddp) == [
+        ("rank_mean", "naive", 1),
+        ("token_mean", "postnorm", 1),
+        ("token_mean", "postnorm", 2),
+        ("token_mean", "precount", 1),
+        ("token_mean", "precount", 2),
+    ]
+    assert all(r["world_size"] == 2 and r["ok"] for r in ddp)
+    assert run.output.count("rows, 0 failed") == 1  # rank 0 alone prints the summary
 
 
 def test_a_multi_host_jax_job_verifies_over_every_process_device(launched: dict) -> None:

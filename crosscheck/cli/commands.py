@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from crosscheck import exit_codes
+from crosscheck.cli.launched_run import launched_run
 from crosscheck.cli.outputs import check_outputs, creatable, refuse
 from crosscheck.cli.parser import build_parser, run_list_values
 from crosscheck.cli.placement import placed, torch_ranks
@@ -94,6 +95,9 @@ def _plan(args: argparse.Namespace) -> Plan:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    # Under torchrun: this process is one rank of the launcher's job (docs/gpu.md).
+    if (launched := launched_run(args, console, run)) is not None:
+        return launched
     started = time.perf_counter()
     try:
         plan = _plan(args)

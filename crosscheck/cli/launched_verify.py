@@ -99,10 +99,9 @@ def launched_verify(args: argparse.Namespace, console: Console) -> int | None:
             )
         except ValueError as error:  # alike on every rank, before the step ran
             return job.agree(_refuse(console, rank, str(error)))
-        code = job.agree(verify_exit_code(report))
-        if rank == 0:
+        if rank == 0:  # before the agreement: a launcher may stop the ranks once one exits
             _print(console, report, args, time.perf_counter() - started, world_size)
-        return code
+        return job.agree(verify_exit_code(report))
     finally:
         job.close()
 

@@ -81,8 +81,8 @@ def _add_placement(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--platform",
         choices=JAX_PLATFORMS,
-        default="cpu",
-        help="JAX workers' platform (JAX_PLATFORMS; cpu with eight fake devices)",
+        help="JAX's platform (JAX_PLATFORMS). Default: cpu, with eight fake devices, for the "
+        "workers crosscheck starts; in a multi-host job, the backend JAX finds",
     )
 
 

@@ -51,7 +51,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 def placed(
-    device: str, platform: str, ranks: int, impls: list[str]
+    device: str, platform: str | None, ranks: int, impls: list[str]
 ) -> contextlib.AbstractContextManager[None]:
     """A context in which the run's torch ranks use `device` and its JAX workers `platform`.
 
@@ -59,6 +59,7 @@ def placed(
     enough GPUs for `ranks`, or a platform JAX cannot start here. A run without torch ranks
     (`ranks` 0) never looks for a GPU, one without JAX workers (`impls`) never probes JAX.
     """
+    platform = platform or "cpu"  # the workers' default, as without the option
     if platform not in JAX_PLATFORM_VALUES:
         raise DeviceError(f"--platform must be one of {', '.join(JAX_PLATFORM_VALUES)}")
     resolved = resolve_torch_device(device, ranks) if ranks else "cpu"

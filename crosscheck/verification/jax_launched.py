@@ -36,8 +36,9 @@ class LaunchedJaxJob:
     """This process's membership of a multi-host JAX job: `join`, `run`, `agree`, `close`."""
 
     multihost: JaxMultiHost
-    #: cpu, gpu or tpu (`crosscheck.launch.devices.JAX_PLATFORM_VALUES`).
-    platform: str
+    #: cpu, gpu or tpu (`crosscheck.launch.devices.JAX_PLATFORM_VALUES`); None: the backend
+    #: JAX finds (a TPU host's TPUs, a GPU host's GPUs, else the CPU).
+    platform: str | None
     timeout_s: float
     _joined: bool = field(default=False, init=False)
     _watchdog: threading.Timer | None = field(default=None, init=False)
@@ -48,10 +49,12 @@ class LaunchedJaxJob:
 
         if not self._joined:
             # Before any backend exists: both settings are read when the first one starts.
-            jax.config.update("jax_platforms", JAX_PLATFORM_VALUES[self.platform])
+            if self.platform is not None:
+                jax.config.update("jax_platforms", JAX_PLATFORM_VALUES[self.platform])
             jax.config.update("jax_enable_x64", True)
-            if self.platform == "cpu":
-                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            # Collectives between CPU devices of different processes; no effect on a GPU's or
+            # TPU's, which have their own (NCCL, ICI).
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
             wait_s = max(1, int(self.timeout_s))
             jax.distributed.initialize(
                 self.multihost.coordinator,

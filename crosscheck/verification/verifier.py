@@ -37,7 +37,12 @@ from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.diagnosis.verdict import PRECISIONS
 from crosscheck.fixtures.builtin import builtin_fixture
-from crosscheck.launch.devices import DeviceError, jax_platform_problem, resolve_torch_device
+from crosscheck.launch.devices import (
+    DeviceError,
+    chosen_platform,
+    jax_platform_problem,
+    resolve_torch_device,
+)
 from crosscheck.run.implementations import not_installed
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.report import VerifyCase, VerifyReport
@@ -188,7 +193,8 @@ def verify(
         ranks = max(job.world_size for job in jobs)
         place = {"device": resolve_torch_device(device, ranks)}
     else:
-        problem = jax_platform_problem(platform or "cpu")
+        platform = platform or chosen_platform()  # cpu unless a run set one
+        problem = jax_platform_problem(platform)
         if problem:
             raise DeviceError(problem)
         place = {"platform": platform}

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torch_impl.harness import rank_processes, rank_worker
+from torch_impl.harness import in_place, rank_processes, rank_worker
 
 # Re-exported: callers and crosscheck.launch.processes find these here.
 from torch_impl.harness.rank_processes import FORK_SERVER_PRELOAD as FORK_SERVER_PRELOAD
@@ -124,12 +124,17 @@ def launch(
     SIGTERM, then SIGKILL after `stop_grace_s`, and is gone: the call takes at most about
     ``timeout_s + stop_grace_s + 2`` s (a process in uninterruptible sleep aside).
 
+    In a process that joined a launcher's job (`torch_impl.harness.in_place`, ``crosscheck run``
+    under torchrun) no process starts: a launch of the job's world size runs in place.
+
     `device` is where the ranks compute: ``"cpu"`` (gloo) or ``"cuda"`` (rank r on GPU r,
     NCCL; `rank_worker.worker`); None reads `DEVICE_ENV` (``crosscheck run --device`` sets
     it), ``"cpu"`` when unset.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if in_place.active():  # this process is one rank of a launcher's job: nothing to start
+        return in_place.run(fn, world_size, tuple(args), RankFailedError)
     device = device or os.environ.get(DEVICE_ENV) or "cpu"
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
