@@ -81,7 +81,7 @@ check run 200 "$PYTHON" -m crosscheck run --world-sizes 1 --accum 1,2 --dtypes f
 check bench 120 "$PYTHON" -m crosscheck bench --device cuda
 
 # A float32 step, TF32 matmuls on and off, in each framework.
-VERIFY=(-m crosscheck verify --scheme token_mean --dtype float32 --world-sizes 1 --accum 1,2)
+VERIFY=(-m crosscheck verify --scheme token_mean --dtype float32 --world-sizes 1 --accum "1,2")
 check tf32-torch-on 60 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \
   --step scripts.gpu_tf32_steps:step_tf32 --json "$OUT/tf32-torch-on.json"
 check tf32-torch-off 60 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \

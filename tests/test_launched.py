@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -245,6 +246,14 @@ def test_auto_takes_the_gpus_only_when_there_is_one_per_rank() -> None:
         resolve_torch_device("cuda", 1, gpus=0)
 
 
+def test_the_launcher_reads_the_device_the_run_sets() -> None:
+    from crosscheck.launch import devices
+    from torch_impl.harness import launcher
+
+    # Spelled out on both sides (torch_impl does not import crosscheck): one name.
+    assert launcher.DEVICE_ENV == devices.DEVICE_ENV
+
+
 def test_a_jax_platform_sets_the_workers_jax_platforms() -> None:
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_foo=1"}
     assert jax_platform_env("cpu", env)["XLA_FLAGS"] == env["XLA_FLAGS"]
@@ -289,3 +298,14 @@ def test_a_half_set_launcher_environment_is_refused(
         monkeypatch.setenv(name, value)
     out = _refusal(["verify", *step, "--scheme", "token_mean", "--world-sizes", "4"], capsys)
     assert out == ""  # rank 1 refuses silently: rank 0 prints the one line
+
+
+def test_the_gpu_check_script_is_clean_shell() -> None:
+    """scripts/gpu_check.sh needs a GPU to run; here it must at least parse, and pass
+    shellcheck where shellcheck is installed."""
+    script = str(ROOT / "scripts" / "gpu_check.sh")
+    parsed = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    if shutil.which("shellcheck"):
+        checked = subprocess.run(["shellcheck", script], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout

@@ -25,7 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from crosscheck.launch.devices import chosen_platform, jax_platform_env
 from crosscheck.launch.workers import jax_launch, jax_worker_env
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
@@ -135,7 +134,7 @@ def run(
     returns at most `TIMEOUT_GRACE_S` later. On a hang the worker is killed with everything
     the step started, and the jobs it had finished keep their results. The dict is in the
     order of `jobs` (duplicates run once). `platform` (cpu, gpu, tpu) is the worker's JAX
-    platform; None: `crosscheck.launch.devices.chosen_platform` (cpu unless set).
+    platform; None: `crosscheck.launch.devices.chosen_platform` (cpu unless a run set one).
     """
     jobs = list(dict.fromkeys(jobs))
     if not jobs:
@@ -145,7 +144,7 @@ def run(
         return {job: StepError(f"{job.describe()}: {bad_spec}") for job in jobs}
     launch = jax_launch()  # without importing JAX here
     cwd = os.getcwd()
-    env = jax_platform_env(platform or chosen_platform(), jax_worker_env())
+    env = jax_worker_env(platform)
     # The user's module (and anything it starts) must import from the caller's directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env["JAX_ENABLE_X64"] = "1"  # for a step module that reads the flag at import
