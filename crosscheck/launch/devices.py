@@ -25,6 +25,7 @@ a fork server or spawned, never from this process, so checking here cannot poiso
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -40,7 +41,11 @@ class DeviceError(ValueError):
 
 
 def visible_gpus() -> int:
-    """How many CUDA GPUs torch sees here (0 without torch's CUDA build or a driver)."""
+    """How many CUDA GPUs torch sees here (0 without torch, its CUDA build or a driver)."""
+    # A run without torch installed skips its torch rows (crosscheck.run.implementations):
+    # `auto` must then choose the CPU, not fail on the import.
+    if importlib.util.find_spec("torch") is None:
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
