@@ -21,11 +21,12 @@ from torch.distributed.fsdp import fully_shard
 def shard_fsdp2(
     module: nn.Module, *, world_size: int, divide_factor: float | None = None
 ) -> nn.Module:
-    """Shard `module` in place over a 1-D CPU mesh of `world_size` ranks and return it.
+    """Shard `module` in place over a 1-D mesh of `world_size` ranks and return it.
 
-    `divide_factor` None keeps FSDP2's default (divide by R: a mean); 1.0 makes it a sum.
+    The mesh is of the params' device type (CPU with gloo; CUDA with NCCL, each rank's current
+    GPU). `divide_factor` None keeps FSDP2's default (divide by R: a mean); 1.0 makes it a sum.
     """
-    mesh = init_device_mesh("cpu", (world_size,))
+    mesh = init_device_mesh(next(module.parameters()).device.type, (world_size,))
     fully_shard(module, mesh=mesh)
     if divide_factor is not None:
         module.set_gradient_divide_factor(divide_factor)

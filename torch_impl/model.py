@@ -98,7 +98,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def numpy_params(module: nn.Module) -> dict[str, np.ndarray]:
     """float64 numpy copies of the parameters, keyed by the oracle's names (all ranks call)."""
     return {
-        name.rsplit(".", 1)[-1]: _full(p.detach()).to(torch.float64).numpy().copy()
+        name.rsplit(".", 1)[-1]: _full(p.detach()).to("cpu", torch.float64).numpy().copy()
         for name, p in module.named_parameters()
     }
 
@@ -108,5 +108,5 @@ def numpy_grads(module: nn.Module) -> dict[str, np.ndarray]:
     out = {}
     for name, p in module.named_parameters():
         grad = torch.zeros_like(p) if p.grad is None else p.grad
-        out[name.rsplit(".", 1)[-1]] = _full(grad.detach()).to(torch.float64).numpy().copy()
+        out[name.rsplit(".", 1)[-1]] = _full(grad.detach()).to("cpu", torch.float64).numpy().copy()
     return out

@@ -265,7 +265,7 @@ def trained_grads(module: nn.Module) -> dict[str, np.ndarray]:
     """Every trained param's gradient as float64 numpy; a head no term reads has no .grad,
     and its gradient is zero (the oracle's too)."""
     return {
-        name: (torch.zeros_like(p) if p.grad is None else p.grad).detach().numpy().copy()
+        name: (torch.zeros_like(p) if p.grad is None else p.grad).detach().to("cpu").numpy().copy()
         for name, p in module.named_parameters()
         if p.requires_grad
     }

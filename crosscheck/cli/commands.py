@@ -29,8 +29,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from crosscheck import exit_codes
+from crosscheck.cli.launched_run import launched_run
 from crosscheck.cli.outputs import check_outputs, creatable, refuse
 from crosscheck.cli.parser import build_parser, run_list_values
+from crosscheck.cli.placement import placed, torch_ranks
 from crosscheck.cli.report import (
     print_results,
     print_skipped,
@@ -93,6 +95,9 @@ def _plan(args: argparse.Namespace) -> Plan:
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    # Under torchrun: this process is one rank of the launcher's job (docs/gpu.md).
+    if (launched := launched_run(args, console, run)) is not None:
+        return launched
     started = time.perf_counter()
     try:
         plan = _plan(args)
@@ -112,6 +117,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
             "crosscheck run: --plot needs matplotlib, which is not installed here: "
             "pip install 'gradweight[plot]'",
         )
+    try:  # where the torch ranks and JAX workers run (docs/gpu.md), before any process
+        placement = placed(args.device, args.platform, torch_ranks(plan), plan.impls)
+    except ValueError as error:
+        return refuse(console, f"crosscheck run: {error}")
+    with placement:
+        return _run_matrix(args, console, plan, started)
+
+
+def _run_matrix(args: argparse.Namespace, console: Console, plan: Plan, started: float) -> int:
     if "seed" in plan.fixtures:
         console.print(seed_weights_table())
     with Progress(
@@ -259,6 +273,12 @@ def verify(args: argparse.Namespace, console: Console) -> int:
     problem = check_outputs("verify", {"--json": args.json})
     if problem:
         return refuse(console, problem)
+    # Under torchrun or in a multi-host JAX job: this process is one rank of it (docs/gpu.md).
+    from crosscheck.cli.launched_verify import launched_verify
+
+    launched = launched_verify(args, console)
+    if launched is not None:
+        return launched
     return verify_command(args, console)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from crosscheck.contract.cases import STRATEGIES
 from crosscheck.fixtures.builtin import fixture_reference
+from crosscheck.launch.devices import JAX_PLATFORMS, TORCH_DEVICES
 from crosscheck.run.implementations import IMPLEMENTATIONS
 from crosscheck.verification.verifier import DEFAULT_LAYOUTS
 
@@ -68,6 +69,23 @@ def run_list_values(args: argparse.Namespace) -> dict[str, list]:
     return {plan: value for plan, value in given.items() if value is not None}
 
 
+def _add_placement(command: argparse.ArgumentParser) -> None:
+    """--device (torch ranks) and --platform (JAX workers): docs/gpu.md."""
+    command.add_argument(
+        "--device",
+        choices=TORCH_DEVICES,
+        default="auto",
+        help="torch ranks: cuda (one GPU per rank, NCCL), cpu (gloo) or auto: cuda when torch "
+        "sees at least as many GPUs as the largest world size, else cpu",
+    )
+    command.add_argument(
+        "--platform",
+        choices=JAX_PLATFORMS,
+        help="JAX's platform (JAX_PLATFORMS). Default: cpu, with eight fake devices, for the "
+        "workers crosscheck starts; in a multi-host job, the backend JAX finds",
+    )
+
+
 def _add_run(commands: argparse._SubParsersAction) -> None:
     run = commands.add_parser(
         "run",
@@ -98,6 +116,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     run.add_argument(
         "--timings", action="store_true", help="also print when each job (process group) ran"
     )
+    _add_placement(run)
 
 
 def _add_bugs(commands: argparse._SubParsersAction) -> None:
@@ -176,6 +195,11 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         help="dtype of the model / params handed to the step",
     )
     verify.add_argument("--json", type=Path, help="write the report as JSON here")
+    _add_placement(verify)
+    # A multi-host JAX start (crosscheck.launch.external; JAX_COORDINATOR_ADDRESS & co. too).
+    verify.add_argument("--coordinator", help="multi-host JAX: the coordinator's HOST:PORT")
+    verify.add_argument("--num-processes", type=int, help="multi-host JAX: how many processes")
+    verify.add_argument("--process-id", type=int, help="multi-host JAX: this process's id")
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:

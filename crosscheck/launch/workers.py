@@ -41,6 +41,7 @@ import numpy as np
 
 from crosscheck.contract.fixture import PARAM_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.devices import chosen_platform, jax_platform_env
 
 if TYPE_CHECKING:
     from jax_impl.harness.zygote import Zygote
@@ -114,17 +115,19 @@ def _load_alone(name: str, path: Path) -> None:
         raise
 
 
-def jax_worker_env() -> dict[str, str]:
+def jax_worker_env(platform: str | None = None) -> dict[str, str]:
     """The environment of a JAX worker: eight fake CPU devices, the small-program compile
     flags (`jax_impl.harness.launch.SMALL_PROGRAM_XLA_FLAGS`), one OpenMP thread unless set,
-    and this repository first on ``PYTHONPATH``. Imports no JAX."""
+    and this repository first on ``PYTHONPATH``. Imports no JAX. On another `platform` than
+    the CPU (None: `crosscheck.launch.devices.chosen_platform`, which ``crosscheck run
+    --platform`` sets), that platform's devices instead of the fake CPU ones."""
     flags = jax_launch().SMALL_PROGRAM_XLA_FLAGS
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {flags}"
     env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
+    return jax_platform_env(platform or chosen_platform(), env)
 
 
 #: What the zygote imports once for every worker it forks (see `jax_impl.harness.zygote`): JAX

@@ -121,7 +121,11 @@ def _collect(
 
 
 def run(
-    step: str, jobs: list[VerifyJob], *, timeout_s: float = DEFAULT_TIMEOUT_S
+    step: str,
+    jobs: list[VerifyJob],
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    platform: str | None = None,
 ) -> dict[VerifyJob, VerifyOutput | StepError]:
     """Call the JAX step ``MODULE:FUNCTION`` once per job; each job -> gradient or StepError.
 
@@ -129,7 +133,8 @@ def run(
     would. The whole worker (JAX start-up, import, every job) is bounded by `timeout_s`: this
     returns at most `TIMEOUT_GRACE_S` later. On a hang the worker is killed with everything
     the step started, and the jobs it had finished keep their results. The dict is in the
-    order of `jobs` (duplicates run once).
+    order of `jobs` (duplicates run once). `platform` (cpu, gpu, tpu) is the worker's JAX
+    platform; None: `crosscheck.launch.devices.chosen_platform` (cpu unless a run set one).
     """
     jobs = list(dict.fromkeys(jobs))
     if not jobs:
@@ -139,7 +144,7 @@ def run(
         return {job: StepError(f"{job.describe()}: {bad_spec}") for job in jobs}
     launch = jax_launch()  # without importing JAX here
     cwd = os.getcwd()
-    env = jax_worker_env()
+    env = jax_worker_env(platform)
     # The user's module (and anything it starts) must import from the caller's directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env["JAX_ENABLE_X64"] = "1"  # for a step module that reads the flag at import

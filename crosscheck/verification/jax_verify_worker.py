@@ -142,8 +142,9 @@ def _optimizer() -> Any:
     return optax.sgd(1.0)
 
 
-def _arguments(job: VerifyJob) -> tuple[Any, Any, dict[str, np.ndarray], Any]:
-    """(params, apply_fn, batch, mesh) for one job; raises naming what cannot be laid out."""
+def _arguments(job: VerifyJob, mesh: Any = None) -> tuple[Any, Any, dict[str, np.ndarray], Any]:
+    """(params, apply_fn, batch, mesh) for one job; raises naming what cannot be laid out.
+    `mesh`: the mesh to hand over (a multi-host job's, over every process); None: R devices."""
     import jax.numpy as jnp
 
     from jax_impl.model import params_from_numpy
@@ -164,7 +165,7 @@ def _arguments(job: VerifyJob) -> tuple[Any, Any, dict[str, np.ndarray], Any]:
         batch[key] = np.array(getattr(laid_out, key))
     # Fresh: a step may donate them. float64 unless the job hands the step another dtype.
     params = params_from_numpy(fixture.params(), jnp.dtype(job.dtype))
-    return params, _apply_fn(*fixture.embed.shape), batch, _mesh(job.world_size)
+    return params, _apply_fn(*fixture.embed.shape), batch, mesh or _mesh(job.world_size)
 
 
 def read_gradient(
@@ -215,11 +216,13 @@ def read_gradient(
     return grads
 
 
-def run_job(step: Callable[..., Any], spec: str, job: VerifyJob, module_file: str | None) -> tuple:
+def run_job(
+    step: Callable[..., Any], spec: str, job: VerifyJob, module_file: str | None, mesh: Any = None
+) -> tuple:
     """One call of the step: ("ok", grads) or ("error", a message naming the job and cause)."""
     where = f"{job.describe()}: step {spec}"
     try:
-        params, apply_fn, batch, mesh = _arguments(job)
+        params, apply_fn, batch, mesh = _arguments(job, mesh)
     except Exception as error:
         return "error", f"{where}: cannot set up the job: {type(error).__name__}: {error}"
     with_optimizer = _takes_optimizer(step)

@@ -37,6 +37,12 @@ from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.diagnosis.verdict import PRECISIONS
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.devices import (
+    DeviceError,
+    chosen_platform,
+    jax_platform_problem,
+    resolve_torch_device,
+)
 from crosscheck.run.implementations import not_installed
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.report import VerifyCase, VerifyReport
@@ -139,6 +145,9 @@ def verify(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     precision: str = "auto",
     dtype: str = "float64",
+    device: str = "cpu",
+    platform: str | None = None,
+    run_jobs: Callable[[str, list[VerifyJob]], dict] | None = None,
 ) -> VerifyReport:
     """Run `step` (see crosscheck.verification.protocol) on every fixture and layout and judge it.
 
@@ -150,7 +159,10 @@ def verify(
     of the model / params handed to the step. `precision` is "auto" (the finest level the
     step's noise allows: float64, float32, or bfloat16 when `dtype` is) or a level to judge
     at; "float64" is the strict float64 judgement. The report's `ok` is True only when the
-    intended scheme fits every case.
+    intended scheme fits every case. `device` (torch: auto, cpu, cuda) and `platform` (JAX:
+    cpu, gpu, tpu) say where the step runs (`crosscheck.launch.devices`, docs/gpu.md).
+    `run_jobs(step, jobs)`, when given, runs the jobs in place of the framework's own runner
+    (inside a launcher's job: `crosscheck.verification.torch_launched`, `jax_launched`).
 
     Raises ValueError for bad arguments, and `StepSetupError` (a ValueError) when `step`
     names a module or function that does not exist (`check_step`), before any process starts.
@@ -173,11 +185,27 @@ def verify(
     jobs = jobs_for(
         fixtures, world_sizes, accum_steps, dtype, row_fields=isinstance(intended, SpecScheme)
     )
+    # Where the step runs: torch ranks on a device, JAX workers on a platform (docs/gpu.md); a
+    # device that is not there is a set-up error (DeviceError, a ValueError).
+    if run_jobs is not None:
+        place = {}
+    elif framework == "torch":
+        ranks = max(job.world_size for job in jobs)
+        place = {"device": resolve_torch_device(device, ranks)}
+    else:
+        platform = platform or chosen_platform()  # cpu unless a run set one
+        problem = jax_platform_problem(platform)
+        if problem:
+            raise DeviceError(problem)
+        place = {"platform": platform}
     # Once, before any process starts: a step that does not exist is a set-up error (raised
     # here, exit 2 on the command line), never a failing case per fixture and layout.
     check_step(name, framework, timeout_s=min(timeout_s, STEP_CHECK_TIMEOUT_S))
-    runner = importlib.import_module(FRAMEWORKS[framework])
-    outputs = runner.run(name, jobs, timeout_s=timeout_s)
+    if run_jobs is not None:  # inside a launcher's job, which placed this process itself
+        outputs = run_jobs(name, jobs)
+    else:
+        runner = importlib.import_module(FRAMEWORKS[framework])
+        outputs = runner.run(name, jobs, timeout_s=timeout_s, **place)
     cases = [
         judge(
             job,

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from torch_impl.harness import rank_processes, rank_worker
+from torch_impl.harness import in_place, rank_processes, rank_worker
 
 # Re-exported: callers and crosscheck.launch.processes find these here.
 from torch_impl.harness.rank_processes import FORK_SERVER_PRELOAD as FORK_SERVER_PRELOAD
@@ -69,6 +69,10 @@ _EXIT_GRACE_S = 2.0
 #: before its group is signalled like any other.
 _EXIT_WAIT_S = 5.0
 _POLL_S = 0.05
+#: Where `launch` puts the ranks when its caller does not say: ``crosscheck run --device``
+#: sets it for every launch of the run (the harness's runners need no parameter for it).
+#: Spelled out here, not imported: torch_impl does not import crosscheck.
+DEVICE_ENV = "GRADWEIGHT_TORCH_DEVICE"
 
 
 class RankFailedError(RuntimeError):
@@ -109,6 +113,7 @@ def launch(
     timeout_s: float = 120.0,
     collective_timeout_s: float = 60.0,
     stop_grace_s: float = 2.0,
+    device: str | None = None,
 ) -> list[Any]:
     """``[fn(0, R, *args), ..., fn(R-1, R, *args)]``, each computed in its own process.
 
@@ -118,11 +123,25 @@ def launch(
     when `terminate_all` stopped it. Whatever the way out, every process group it started got
     SIGTERM, then SIGKILL after `stop_grace_s`, and is gone: the call takes at most about
     ``timeout_s + stop_grace_s + 2`` s (a process in uninterruptible sleep aside).
+
+    In a process that joined a launcher's job (`torch_impl.harness.in_place`, ``crosscheck run``
+    under torchrun) no process starts: a launch of the job's world size runs in place.
+
+    `device` is where the ranks compute: ``"cpu"`` (gloo) or ``"cuda"`` (rank r on GPU r,
+    NCCL; `rank_worker.worker`); None reads `DEVICE_ENV` (``crosscheck run --device`` sets
+    it), ``"cpu"`` when unset.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if in_place.active():  # this process is one rank of a launcher's job: nothing to start
+        return in_place.run(fn, world_size, tuple(args), RankFailedError)
+    device = device or os.environ.get(DEVICE_ENV) or "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if not dist.is_available() or not dist.is_gloo_available():
         raise RuntimeError("torch.distributed with the gloo backend is required and missing")
+    if device == "cuda" and not dist.is_nccl_available():
+        raise RuntimeError("device 'cuda' needs torch.distributed's NCCL backend, missing here")
     # The deadline counts from here: starting ranks (the fork server's first import of torch,
     # or every spawned rank's) is part of the launch's time.
     deadline = time.monotonic() + timeout_s
@@ -139,7 +158,7 @@ def launch(
         rank_processes.new_process(
             method,
             rank_worker.worker,
-            (rank, world_size, init_method, collective_timeout_s, workdir),
+            (rank, world_size, init_method, collective_timeout_s, workdir, device),
             f"gradweight-rank-{rank}",
         )
         for rank in range(world_size)

@@ -118,7 +118,12 @@ def finish_rank(value: Any) -> NoReturn:
 
 
 def worker(
-    rank: int, world_size: int, init_method: str, collective_timeout_s: float, workdir: str
+    rank: int,
+    world_size: int,
+    init_method: str,
+    collective_timeout_s: float,
+    workdir: str,
+    device: str = "cpu",
 ) -> None:
     # First of all, before anything can start a child: lead a process group of its own, so that
     # the launcher's killpg() also ends whatever this rank's code starts.
@@ -131,8 +136,14 @@ def worker(
     try:
         with open(os.path.join(workdir, JOB_FILE), "rb") as f:
             fn, args = pickle.load(f)
+        if device == "cuda":
+            # One rank per GPU, on one machine: the rank is the local rank. NCCL needs the
+            # current device set before its first collective; the default device puts the
+            # harness's models and batches there without a `.to` at every construction.
+            torch.cuda.set_device(rank)
+            torch.set_default_device(f"cuda:{rank}")
         dist.init_process_group(
-            "gloo",
+            "nccl" if device == "cuda" else "gloo",
             init_method=init_method,
             rank=rank,
             world_size=world_size,

@@ -70,7 +70,7 @@ def read_grads(
                 f"parameter {name!r} has shape {tuple(param.shape)}, expected {expected}"
             )
         if optimizer is not None:
-            after = _full(param.detach()).to(torch.float64).numpy()
+            after = _full(param.detach()).to("cpu", torch.float64).numpy()
             grads[name] = np.asarray(params[name], dtype=np.float64) - after
         elif param.grad is None:
             raise StepResultError(
@@ -78,7 +78,7 @@ def read_grads(
                 "it to None)"
             )
         else:
-            grads[name] = _full(param.grad.detach()).to(torch.float64).numpy().copy()
+            grads[name] = _full(param.grad.detach()).to("cpu", torch.float64).numpy().copy()
     unchanged = optimizer is not None and not any(g.any() for g in grads.values())
     # Each rank looks at its own shard of a DTensor: no collective on a path one may skip.
     has_grads = any(p.grad is not None and bool(_local(p.grad).any()) for p in named.values())
