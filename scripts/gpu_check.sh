@@ -8,7 +8,7 @@
 #                                  and both frameworks' default float32 matmul settings
 #   run.json / run.log             the analytic matrix at R = 1 on the GPU: torch ranks on
 #                                  cuda (NCCL), JAX on the gpu platform, float64 and float32
-#   bench.log                      `crosscheck bench --device cuda`
+#   bench.log, bench.json          `crosscheck bench --device cuda --ranks 1`
 #   tf32-*.json / tf32-*.log       a float32 step verified with TF32 matmuls on and off
 #   status.tsv, summary.txt        every check's exit status and seconds; the verdicts
 #
@@ -78,7 +78,8 @@ check run 200 "$PYTHON" -m crosscheck run --world-sizes 1 --accum 1,2 --dtypes f
   --impls oracle,jax-pmap,jax-shard_map,jax-jit,torch-ddp,torch-fsdp2 \
   --no-world-size-change --no-resume --device cuda --platform gpu --json "$OUT/run.json"
 
-check bench 120 "$PYTHON" -m crosscheck bench --device cuda
+# One GPU: one torch rank (NCCL over one device) and JAX on its one device.
+check bench 120 "$PYTHON" -m crosscheck bench --device cuda --ranks 1 --json "$OUT/bench.json"
 
 # A float32 step, TF32 matmuls on and off, in each framework.
 VERIFY=(-m crosscheck verify --scheme token_mean --dtype float32 --world-sizes 1 --accum "1,2")
