@@ -124,6 +124,8 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
                 timeout_s=args.timeout,
                 precision=precision,
                 dtype=args.dtype,
+                model=args.model,
+                forward=args.forward,
             )
     except ValueError as error:  # StepSetupError included: refused before any process started
         # One line, whatever the terminal's width: soft_wrap leaves the wrapping to it.

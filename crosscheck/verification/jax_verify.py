@@ -121,7 +121,7 @@ def _collect(
 
 
 def run(
-    step: str, jobs: list[VerifyJob], *, timeout_s: float = DEFAULT_TIMEOUT_S
+    step: str, jobs: list[VerifyJob], *, timeout_s: float = DEFAULT_TIMEOUT_S, model: str = ""
 ) -> dict[VerifyJob, VerifyOutput | StepError]:
     """Call the JAX step ``MODULE:FUNCTION`` once per job; each job -> gradient or StepError.
 
@@ -129,7 +129,8 @@ def run(
     would. The whole worker (JAX start-up, import, every job) is bounded by `timeout_s`: this
     returns at most `TIMEOUT_GRACE_S` later. On a hang the worker is killed with everything
     the step started, and the jobs it had finished keep their results. The dict is in the
-    order of `jobs` (duplicates run once).
+    order of `jobs` (duplicates run once). `model` is ``MODULE:FACTORY`` of the user's own
+    model (``verify --model``; the step gets its params and apply_fn), or "".
     """
     jobs = list(dict.fromkeys(jobs))
     if not jobs:
@@ -149,7 +150,15 @@ def run(
         progress.mkdir()
         job_file = work / "job.pkl"
         job_file.write_bytes(
-            pickle.dumps({"step": step, "jobs": jobs, "cwd": cwd, "progress": str(progress)})
+            pickle.dumps(
+                {
+                    "step": step,
+                    "jobs": jobs,
+                    "cwd": cwd,
+                    "progress": str(progress),
+                    "model": model,
+                }
+            )
         )
         command = [sys.executable, "-m", WORKER_MODULE, str(job_file)]
         failure: Exception | None = None
