@@ -23,6 +23,10 @@ which then does not shift the labels again).
   microbatch-mean (transformers#34191).
 * ``step_rank_count``: ``num_items_in_batch`` of this rank only, no factor R: rank-mean.
 
+``logits`` is what the reference computes its float64 token losses from, written out as a
+``--forward``: the model's logits of ``input_ids``, as the default forward takes them (a model
+trained with packed position ids would pass them here too).
+
 ``model_unseeded`` is the factory without its ``torch.manual_seed``: every call draws other
 weights, so the step and the reference would start from different models; ``--model`` refuses
 it as a set-up error (exit 2), before any step runs.
@@ -62,6 +66,11 @@ def model_unseeded() -> LlamaForCausalLM:
         attn_implementation="eager",
     )
     return LlamaForCausalLM(config)
+
+
+def logits(llama: LlamaForCausalLM, microbatch: Microbatch) -> torch.Tensor:
+    """The logits [B, T, V] the reference's token losses come from (``--forward``)."""
+    return llama(input_ids=microbatch["inputs"]).logits
 
 
 def window_num_items(microbatches: list[Microbatch]) -> torch.Tensor:

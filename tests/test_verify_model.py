@@ -39,7 +39,9 @@ FLOAT32_TOLERANCE = 1e-5
 FLOAT64_TOLERANCE = 1e-12
 
 
-def _cli(framework: str, step: str, model: str, json_path) -> subprocess.CompletedProcess:
+def _cli(
+    framework: str, step: str, model: str, json_path, *extra: str
+) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
         "-m",
@@ -61,6 +63,7 @@ def _cli(framework: str, step: str, model: str, json_path) -> subprocess.Complet
         "2",
         "--json",
         str(json_path),
+        *extra,
     ]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
@@ -99,7 +102,10 @@ def test_hf_model_without_num_items_in_batch_is_microbatch_mean():
 
 def test_hf_model_with_a_rank_local_count_is_rank_mean_through_the_cli(tmp_path):
     path = tmp_path / "verify.json"
-    proc = _cli("torch", "examples.torch_hf_model:step_rank_count", TORCH_MODEL, path)
+    # With the forward written out (the default's logits, given by name): the option reaches
+    # the reference process.
+    forward = ("--forward", "examples.torch_hf_model:logits")
+    proc = _cli("torch", "examples.torch_hf_model:step_rank_count", TORCH_MODEL, path, *forward)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(path.read_text())
     assert data["model"] == TORCH_MODEL
@@ -136,14 +142,9 @@ def test_flax_model_device_mean_is_rank_mean():
 
 
 def test_a_model_factory_that_is_not_repeatable_is_a_setup_error():
-    with pytest.raises(StepSetupError, match=r"different values of .*seed it"):
-        verify(
-            "examples.torch_hf_model:step",
-            framework="torch",
-            scheme="token_mean",
-            model="examples.torch_hf_model:model_unseeded",
-            **ONE_LAYOUT,
-        )
+    """Refused before any step runs: a factory that is not there (found without a process),
+    and one whose two calls give different weights (found by the reference's own check, run
+    here in this process as the reference process runs it: a launch would only add time)."""
     with pytest.raises(StepSetupError, match=r"--model examples\.torch_hf_model:modle: .*model"):
         verify(
             "examples.torch_hf_model:step",
@@ -152,6 +153,22 @@ def test_a_model_factory_that_is_not_repeatable_is_a_setup_error():
             model="examples.torch_hf_model:modle",
             **ONE_LAYOUT,
         )
+    from crosscheck.verification.model_basis import reference_request
+    from crosscheck.verification.verifier import jobs_for
+    from torch_impl.harness.model_reference import compute_reference
+
+    jobs = jobs_for(**ONE_LAYOUT)
+    for factory, refused in (("model_unseeded", True), ("model", False)):
+        request, _, _ = reference_request(
+            f"examples.torch_hf_model:{factory}", "", jobs, get_scheme("token_mean")
+        )
+        request["fixtures"], request["weightings"] = {}, []  # the check alone: nothing to compute
+        answer = compute_reference(0, 1, request)
+        if refused:
+            assert "different values of" in answer["setup_error"]
+            assert "seed it" in answer["setup_error"]
+        else:
+            assert "setup_error" not in answer and "error" not in answer, answer
 
 
 def test_diagnose_a_gradient_of_your_own_model_on_its_group_basis():
@@ -180,3 +197,40 @@ def test_diagnose_a_gradient_of_your_own_model_on_its_group_basis():
         assert result.precision == "float32" and result.residual < FLOAT32_TOLERANCE
     with pytest.raises(ValueError, match="computed for fixture 'packed'"):
         diagnose(builtin_fixture("ragged"), 2, 2, grads, "token_mean", basis=basis)
+
+
+@pytest.mark.parametrize("scheme", ["token_mean", "weighted_mean"])
+def test_a_group_basis_of_the_analytic_model_diagnoses_as_its_jacobian_does(scheme):
+    """The oracle's own group basis (its Jacobian summed per group) through ``basis=``: the
+    same names, fits and weights as the Jacobian path, for the intended gradient and two
+    bugs, so the basis path changes nothing but where B comes from."""
+    from crosscheck.contract.oracle import token_jacobian
+    from crosscheck.diagnosis.group_basis import GroupBasis, token_groups, token_units
+    from crosscheck.diagnosis.verdict import jacobian_group_basis
+
+    fixture = builtin_fixture("ragged")
+    params = fixture.params()
+    units = token_units(fixture, get_scheme(scheme))
+    group_of, keys = token_groups(fixture, 1, 1, units)
+    jacobian = token_jacobian(params, fixture.inputs, fixture.targets)
+    valid = fixture.valid
+    matrix, _ = jacobian_group_basis(jacobian, group_of[valid], units[valid], len(keys))
+    shapes = tuple((name, np.shape(params[name])) for name in sorted(params))
+    groups = np.array([(row, segment) for *_, row, segment in keys]).reshape(-1, 2)
+    basis = GroupBasis("ragged", matrix, shapes, groups)
+    batch = fixture.layout(2, 2)
+    for produced in (scheme, "rank_mean", "microbatch_mean"):
+        weights = batch.to_global(get_scheme(produced).effective_weights(batch))
+        flat, grads, start = weights[valid] @ jacobian, {}, 0
+        for name, shape in shapes:
+            grads[name] = flat[start : start + int(np.prod(shape))].reshape(shape)
+            start += int(np.prod(shape))
+        by_jacobian = diagnose(fixture, 2, 2, grads, scheme)
+        by_basis = diagnose(fixture, 2, 2, grads, scheme, basis=basis)
+        assert by_basis.best_match == by_jacobian.best_match, produced
+        assert by_basis.detected is by_jacobian.detected is (produced != scheme)
+        assert set(by_basis.fits) <= set(by_jacobian.fits), produced
+        # The same least squares on the same B: equal weights up to float64 rounding.
+        recovered = np.array([g.weight for g in by_basis.groups])
+        expected = np.array([g.weight for g in by_jacobian.groups])
+        assert np.max(np.abs(recovered - expected)) <= 1e-12 * np.max(np.abs(expected))

@@ -62,11 +62,12 @@ def named_leaves(tree: Any) -> dict[str, Any]:
 
 
 def with_dtype(params: Any, dtype: Any) -> Any:
-    """`params` with every floating leaf cast to `dtype` (integer leaves kept)."""
+    """A fresh copy of `params` with every floating leaf cast to `dtype` (integer leaves kept):
+    fresh, so that a step that donates its params leaves the next job's intact."""
 
     def cast(leaf: Any) -> Any:
-        leaf = jnp.asarray(leaf)
-        return leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+        floating = jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
+        return jnp.array(leaf, dtype=dtype if floating else None, copy=True)
 
     return jax.tree_util.tree_map(cast, params)
 
