@@ -18,10 +18,12 @@ average. The fixtures' targets are already aligned with the inputs, so they go i
 ``shift_labels`` too (transformers 5 passes it through the model's ``**kwargs`` to the loss,
 which then does not shift the labels again).
 
-* ``step``: the Trainer's loop: PASSES at float32-level (the loss is float32).
+* ``step``: the Trainer's loop, stepping the optimizer it is given: PASSES at float32-level
+  (the loss is float32).
 * ``step_microbatch_mean``: no ``num_items_in_batch``, each microbatch's mean divided by M:
   microbatch-mean (transformers#34191).
-* ``step_rank_count``: ``num_items_in_batch`` of this rank only, no factor R: rank-mean.
+* ``step_rank_count``: a ``model_factory`` step that wraps DDP itself, with
+  ``num_items_in_batch`` of this rank only and no factor R: rank-mean.
 
 ``logits`` is what the reference computes its float64 token losses from, written out as a
 ``--forward``: the model's logits of ``input_ids``, as the default forward takes them (a model
@@ -35,6 +37,7 @@ it as a set-up error (exit 2), before any step runs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -104,13 +107,19 @@ def sync_context(
     return contextlib.nullcontext() if index == accum_steps - 1 else ddp_model.no_sync()
 
 
-def step(ddp_model: DistributedDataParallel, microbatches: list[Microbatch]) -> None:
-    """The Trainer's update: global ``num_items_in_batch``, loss times R, ``no_sync``."""
+def step(
+    ddp_model: DistributedDataParallel,
+    microbatches: list[Microbatch],
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """The Trainer's update: global ``num_items_in_batch``, loss times R, ``no_sync``, then
+    the optimizer's step (the harness reads the update it applied)."""
     num_items = global_num_items(microbatches)
     world_size = dist.get_world_size()
     for index, batch in enumerate(microbatches):
         with sync_context(ddp_model, index, len(microbatches)):
             (model_loss(ddp_model, batch, num_items) * world_size).backward()
+    optimizer.step()
 
 
 def step_microbatch_mean(
@@ -123,9 +132,14 @@ def step_microbatch_mean(
             (model_loss(ddp_model, batch, None) / accum_steps).backward()
 
 
-def step_rank_count(ddp_model: DistributedDataParallel, microbatches: list[Microbatch]) -> None:
-    """``num_items_in_batch`` of this rank only and no factor R: DDP averages per-rank means."""
+def step_rank_count(
+    model_factory: Callable[[], LlamaForCausalLM], microbatches: list[Microbatch]
+) -> DistributedDataParallel:
+    """Wraps the model itself (as the Trainer's ``accelerator.prepare`` does), then
+    ``num_items_in_batch`` of this rank only and no factor R: DDP averages per-rank means."""
+    ddp_model = DistributedDataParallel(model_factory())
     num_items = window_num_items(microbatches)  # the bug: not all-reduced
     for index, batch in enumerate(microbatches):
         with sync_context(ddp_model, index, len(microbatches)):
             model_loss(ddp_model, batch, num_items).backward()
+    return ddp_model

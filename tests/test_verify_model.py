@@ -4,7 +4,10 @@ A tiny Hugging Face Llama (``examples/torch_hf_model.py``, built from a config, 
 trained through its own loss path, ``model(input_ids, labels, num_items_in_batch)`` in the HF
 Trainer's accumulation loop, and a small Flax causal LM (``examples/jax_flax_model.py``) in a
 pmap step. The correct steps pass (float32-level for HF, whose loss upcasts the logits to
-float32; float64-exact for the Flax model in float64), the misuses are named.
+float32; float64-exact for the Flax model in float64), the misuses are named. The three torch
+steps take the protocol's three forms with the user's model: DDP-wrapped with an optimizer to
+step (the update is read back by parameter name), DDP-wrapped, and a ``model_factory`` step
+that wraps the model itself.
 
 Time: every verify call here runs one fixture at one layout, ``packed`` at (R, M) = (2, 2):
 one reference process and one launch of the step. That layout still names each bug alone:

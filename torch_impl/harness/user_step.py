@@ -234,7 +234,10 @@ def run_job(
         first = new_model()
         params = job.params
         if user_model is not None:  # the initial weights, by name, for reading the update
-            params = {n: p.detach().to(torch.float64).numpy() for n, p in first.named_parameters()}
+            # A copy: a float64 parameter's numpy view would follow the optimizer's update.
+            params = {
+                n: p.detach().to(torch.float64).numpy().copy() for n, p in first.named_parameters()
+            }
         optimizer = torch.optim.SGD(first.parameters(), lr=1.0) if step.takes_optimizer else None
         kwargs = {"optimizer": optimizer} if optimizer is not None else {}
         if step.factory:
