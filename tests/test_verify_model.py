@@ -237,3 +237,7 @@ def test_a_group_basis_of_the_analytic_model_diagnoses_as_its_jacobian_does(sche
         recovered = np.array([g.weight for g in by_basis.groups])
         expected = np.array([g.weight for g in by_jacobian.groups])
         assert np.max(np.abs(recovered - expected)) <= 1e-12 * np.max(np.abs(expected))
+    # NaN never passes, on a basis as on the Jacobian.
+    grads["embed"][0, 0] = np.nan
+    broken = diagnose(fixture, 2, 2, grads, scheme, basis=basis)
+    assert broken.detected and "NaN in embed[0, 0]" in broken.unusable

@@ -61,6 +61,8 @@ def read_grads(
     """
     named: dict[str, nn.Parameter] = {}
     for name, param in model.named_parameters():
+        if full_names and not param.requires_grad:  # frozen: no part of the gradient
+            continue
         short = _unwrapped_name(name) if full_names else name.rsplit(".", 1)[-1]
         if short in named:
             raise StepResultError(f"the model holds two parameters named {short!r}")

@@ -236,7 +236,9 @@ def run_job(
         if user_model is not None:  # the initial weights, by name, for reading the update
             # A copy: a float64 parameter's numpy view would follow the optimizer's update.
             params = {
-                n: p.detach().to(torch.float64).numpy().copy() for n, p in first.named_parameters()
+                n: p.detach().to(torch.float64).numpy().copy()
+                for n, p in first.named_parameters()
+                if p.requires_grad  # frozen parameters are no part of the gradient
             }
         optimizer = torch.optim.SGD(first.parameters(), lr=1.0) if step.takes_optimizer else None
         kwargs = {"optimizer": optimizer} if optimizer is not None else {}
