@@ -15,6 +15,8 @@ params. Rows are independent (causal attention within a row, layer norm per toke
   gradients: the global token mean; PASSES.
 * ``step_device_mean``: every device divides by its own count and the gradients are
   ``pmean``ed: rank-mean (the classic Flax ``train_step``; ``examples/jax_pmap_mean.py``).
+
+``logits`` is the reference's forward written out (``--forward``), as the default takes it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def model() -> tuple[Callable[..., jax.Array], Any]:
     module = TinyCausalLM()
     params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
     return module.apply, params
+
+
+def logits(apply_fn: Callable[..., jax.Array], params: Any, microbatch: dict) -> jax.Array:
+    """The logits [B, T, V] the reference's token losses come from (``--forward``): the
+    model's of the inputs, as the default forward takes them."""
+    return apply_fn(params, microbatch["inputs"])
 
 
 def device_grads(

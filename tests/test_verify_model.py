@@ -119,7 +119,8 @@ def test_hf_model_with_a_rank_local_count_is_rank_mean_through_the_cli(tmp_path)
 
 def test_flax_model_step_passes_through_the_cli(tmp_path):
     path = tmp_path / "verify.json"
-    proc = _cli("jax", "examples.jax_flax_model:step", JAX_MODEL, path)
+    forward = ("--forward", "examples.jax_flax_model:logits")  # reaches the JAX reference
+    proc = _cli("jax", "examples.jax_flax_model:step", JAX_MODEL, path, *forward)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(path.read_text())
     assert data["ok"] is True and data["precision"] == "float64"
