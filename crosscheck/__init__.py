@@ -57,6 +57,10 @@ _EXPORTS: dict[str, str] = {
     # diagnose any gradient
     "diagnose": "crosscheck.diagnosis.diagnose",
     "Diagnosis": "crosscheck.diagnosis.result",
+    # diagnose a gradient of your own model: its group basis
+    "GroupBasis": "crosscheck.diagnosis.group_basis",
+    "torch_group_basis": "crosscheck.verification.model_basis",
+    "jax_group_basis": "crosscheck.verification.model_basis",
     # the schemes: the spec of an objective's normalization
     "Scheme": "crosscheck.contract.schemes",
     "TokenMean": "crosscheck.contract.schemes",
@@ -125,9 +129,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
     from crosscheck.contract.spec import SchemeSpec, get_spec
     from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
     from crosscheck.diagnosis.diagnose import diagnose
+    from crosscheck.diagnosis.group_basis import GroupBasis
     from crosscheck.diagnosis.result import Diagnosis
     from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture, random_fixture
     from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL, assert_tree_close, tree_rel_err
+    from crosscheck.verification.model_basis import jax_group_basis, torch_group_basis
     from crosscheck.verification.protocol import StepError, log_denominator
     from crosscheck.verification.report import VerifyCase, VerifyReport
     from crosscheck.verification.step_check import StepSetupError
@@ -147,6 +153,7 @@ __all__ = [
     "Fixture",
     "FixtureError",
     "Framework",
+    "GroupBasis",
     "LaidOutBatch",
     "Layout",
     "Microbatch",
@@ -174,10 +181,12 @@ __all__ = [
     "effective_weights",
     "get_scheme",
     "get_spec",
+    "jax_group_basis",
     "log_denominator",
     "loss_and_grad",
     "random_fixture",
     "resolve_scheme",
+    "torch_group_basis",
     "train",
     "tree_rel_err",
     "verify",

@@ -194,6 +194,16 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         default="float64",
         help="dtype of the model / params handed to the step",
     )
+    verify.add_argument(
+        "--model",
+        help="MODULE:FACTORY of your own model (torch: a fresh nn.Module, the same weights each "
+        "call; JAX: (apply_fn, params)): the step gets it, the reference is its own gradient",
+    )
+    verify.add_argument(
+        "--forward",
+        help="MODULE:FN giving the reference the logits of --model on a batch (torch: "
+        "fn(model, microbatch); JAX: fn(apply_fn, params, microbatch)); default: model(inputs)",
+    )
     verify.add_argument("--json", type=Path, help="write the report as JSON here")
     _add_placement(verify)
     # A multi-host JAX start (crosscheck.launch.external; JAX_COORDINATOR_ADDRESS & co. too).

@@ -126,6 +126,8 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
                 dtype=args.dtype,
                 device=args.device,
                 platform=args.platform,
+                model=args.model,
+                forward=args.forward,
             )
     except ValueError as error:  # StepSetupError included: refused before any process started
         # One line, whatever the terminal's width: soft_wrap leaves the wrapping to it.

@@ -35,7 +35,7 @@ import numpy as np
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import Params, token_jacobian
-from crosscheck.contract.schemes import Scheme, WeightedMean
+from crosscheck.contract.schemes import Scheme
 from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.diagnosis.candidates import (
     Candidate,
@@ -47,6 +47,14 @@ from crosscheck.diagnosis.candidates import (
 )
 from crosscheck.diagnosis.explain import explain
 from crosscheck.diagnosis.families import family_candidates
+from crosscheck.diagnosis.group_basis import (
+    GroupBasis,
+    basis_grad_of,
+    group_mass,
+    predictable,
+    token_groups,
+    token_units,
+)
 from crosscheck.diagnosis.judgement import judge_levels, noise_level, per_group_weights
 from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, minimal, name_of
 from crosscheck.diagnosis.result import Diagnosis, GroupWeight
@@ -57,7 +65,8 @@ from crosscheck.diagnosis.verdict import (
     auto_levels,
     check_weights,
     detectable_skew,
-    fit_groups,
+    fit_group_basis,
+    jacobian_group_basis,
 )
 from crosscheck.diagnosis.zero_count import ZERO_COUNT_NAN, zero_count_note
 from crosscheck.judge.compare import tree_rel_err
@@ -78,6 +87,7 @@ __all__ = [
     "CONDITION_LIMIT",
     "UNKNOWN",
     "Diagnosis",
+    "GroupBasis",
     "GroupWeight",
     "diagnose",
     "token_groups",
@@ -88,27 +98,6 @@ __all__ = [
 
 def _flat(tree: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(tree[k], dtype=np.float64).ravel() for k in sorted(tree)])
-
-
-def token_groups(
-    fixture: Fixture, world_size: int, accum_steps: int, units: np.ndarray
-) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
-    """Group id per token of the global [N, T] batch (-1: no weight), and each group's
-    (rank, microbatch, row, segment)."""
-    batch = fixture.layout(world_size, accum_steps)
-    _, M, B, _ = batch.targets.shape
-    width = int(fixture.segment_ids.max(initial=0)) + 1
-    key = np.arange(fixture.num_rows)[:, None] * width + fixture.segment_ids
-    carries = fixture.valid & (units > 0)
-    keys, inverse = np.unique(key[carries], return_inverse=True)
-    group_of = np.full(key.shape, -1, dtype=np.int64)
-    group_of[carries] = inverse
-    described = []
-    for k in keys:
-        row, segment = divmod(int(k), width)
-        rank, microbatch = divmod(row // B, M)
-        described.append((rank, microbatch, row, segment))
-    return group_of, described
 
 
 def _first(mask: Mapping[str, np.ndarray]) -> tuple[str, tuple[int, ...], int]:
@@ -169,6 +158,8 @@ def diagnose(
     previous_denominators: Sequence[float] = (),
     max_grad_norm: float | None = None,
     params: Params | None = None,
+    basis: GroupBasis | None = None,
+    intended_grads: Params | None = None,
 ) -> Diagnosis:
     """Diagnose `grads`, produced at layout (world_size, accum_steps) of `fixture`.
 
@@ -180,6 +171,12 @@ def diagnose(
     of earlier windows since the counter was last known to be reset (enables stale-count);
     `max_grad_norm` enables clip-per-microbatch. `params` default to the fixture's own: the
     gradient must be taken there.
+
+    Any model: `basis` (a `GroupBasis` of this fixture under the intended scheme's units,
+    computed by the model the gradient is of; ``crosscheck.verification.model_basis``) replaces
+    the analytic model's Jacobian, and `intended_grads` is the intended gradient that model
+    gives (default: the basis's c B, equal to it up to rounding). Hypotheses whose weights vary
+    inside a group cannot be predicted from a basis: they are left out, with a note.
     """
     scheme = resolve_scheme(intended)
     if not scheme.intended:
@@ -191,22 +188,28 @@ def diagnose(
         allowed = (precision,)
     else:
         raise ValueError(f"precision must be auto or one of {', '.join(PRECISIONS)}")
-    params = fixture.params() if params is None else params
     grads = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
     batch = fixture.layout(world_size, accum_steps)
     weights = batch.to_global(scheme.effective_weights(batch))
     valid = fixture.valid
-    soft_token = isinstance(scheme, SpecScheme) and scheme.scheme_spec.weight.soft == "token"
-    units = (
-        np.where(valid, fixture.weights, 0.0)
-        if isinstance(scheme, WeightedMean) or soft_token
-        else valid.astype(np.float64)
-    )
-    jacobian = token_jacobian(params, fixture.inputs, fixture.targets)
-    shapes = {k: np.shape(params[k]) for k in sorted(params)}
+    units = token_units(fixture, scheme)
+    group_of, keys = token_groups(fixture, world_size, accum_steps, units)
+    if basis is None:  # the analytic model: the oracle's per-token Jacobian
+        params = fixture.params() if params is None else params
+        shapes = {k: np.shape(params[k]) for k in sorted(params)}
+        jacobian = token_jacobian(params, fixture.inputs, fixture.targets)
+        basis_matrix, mass = jacobian_group_basis(
+            jacobian, group_of[valid], units[valid], len(keys)
+        )
 
-    def flat_grad_of(token_weights: np.ndarray) -> np.ndarray:
-        return token_weights[valid] @ jacobian
+        def flat_grad_of(token_weights: np.ndarray) -> np.ndarray:
+            return token_weights[valid] @ jacobian
+
+    else:  # any model: its own group basis (crosscheck.diagnosis.group_basis)
+        basis.check(fixture, keys, grads)
+        shapes, basis_matrix = dict(basis.shapes), basis.matrix
+        mass = group_mass(group_of, units, len(keys))
+        flat_grad_of = basis_grad_of(basis, group_of, units)
 
     def grad_of(token_weights: np.ndarray) -> Params:
         flat, out, start = flat_grad_of(token_weights), {}, 0
@@ -216,8 +219,11 @@ def diagnose(
             start += size
         return out
 
-    intended_grads = grad_of(weights)
-    intended_error = tree_rel_err(grads, intended_grads).max_rel_err
+    if intended_grads is None:
+        intended_grads = grad_of(weights)
+    intended_grads = {k: np.asarray(v, dtype=np.float64) for k, v in intended_grads.items()}
+    live = dict if basis is None else basis.live
+    intended_error = tree_rel_err(live(grads), live(intended_grads)).max_rel_err
     g, gi = _flat(grads), _flat(intended_grads)
     unusable = unusable_entries(grads)
     if unusable:
@@ -227,12 +233,10 @@ def diagnose(
         g = np.full_like(g, np.nan)
     scale = float(g @ gi / (gi @ gi)) if gi @ gi > 0 and np.isfinite(g).all() else math.nan
 
-    group_of, keys = token_groups(fixture, world_size, accum_steps, units)
-    fit = fit_groups(
-        jacobian,
+    fit = fit_group_basis(
+        basis_matrix,
         g,
-        group_of[valid],
-        units[valid],
+        mass,
         np.array([k[0] for k in keys], dtype=np.int64),
         np.array([k[1] for k in keys], dtype=np.int64),
     )
@@ -256,7 +260,11 @@ def diagnose(
     candidates += family_candidates(g, weights, batch, flat_grad_of)
 
     per_group = [per_group_weights(c.weights, group_of, units) for c in candidates]
-    errors_by_candidate = [tree_rel_err(grads, grad_of(c.weights)).max_rel_err for c in candidates]
+    # A basis predicts only the weightings that are constant per group.
+    candidates, per_group, basis_note = predictable(candidates, per_group, basis)
+    errors_by_candidate = [
+        tree_rel_err(live(grads), live(grad_of(c.weights))).max_rel_err for c in candidates
+    ]
     level = noise_level(fit, g, candidates, per_group, flat_grad_of, allowed)
     judged_at, judged, log_note = judge_levels(
         fit, candidates, per_group, errors_by_candidate, level, allowed, labels, logged_denominator
@@ -296,6 +304,8 @@ def diagnose(
         notes["logged denominator"] = log_note
     if zero_note:
         notes[ZERO_COUNT_NAN] = zero_note
+    if basis_note:
+        notes["group basis"] = basis_note
     diagnosis = Diagnosis(
         fixture=fixture.name,
         world_size=world_size,

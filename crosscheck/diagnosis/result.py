@@ -116,4 +116,5 @@ class Diagnosis:
             "explanation": self.explanation,
             "fix": self.fix,
             "candidate_errors": {k: finite_or_none(v) for k, v in self.candidate_errors.items()},
+            "notes": dict(self.notes),
         }

@@ -130,6 +130,19 @@ class GroupFit:
         return self.finite and self.dof > 0
 
 
+def jacobian_group_basis(
+    jacobian: np.ndarray, group_of: np.ndarray, units: np.ndarray, num_groups: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(B [K, P], U [K]): b_g = sum_{t in g} u_t grad l_t from the per-token Jacobian
+    [valid tokens, P], and U_g = sum_{t in g} u_t; `group_of`, `units` per valid token (group
+    -1: carries no weight)."""
+    carries = group_of >= 0
+    basis = np.zeros((num_groups, jacobian.shape[1]))
+    np.add.at(basis, group_of[carries], units[carries, None] * jacobian[carries])
+    mass = np.bincount(group_of[carries], weights=units[carries], minlength=num_groups)
+    return basis, mass
+
+
 def fit_groups(
     jacobian: np.ndarray,
     gradient: np.ndarray,
@@ -140,8 +153,23 @@ def fit_groups(
 ) -> GroupFit:
     """Fit G = sum_g c_g b_g. `jacobian` [valid tokens, P]; `group_of`, `units` per valid token
     (group -1: carries no weight); `rank`, `microbatch` per group."""
+    basis, mass = jacobian_group_basis(jacobian, group_of, units, len(rank))
+    return fit_group_basis(basis, gradient, mass, rank, microbatch)
+
+
+def fit_group_basis(
+    basis: np.ndarray,
+    gradient: np.ndarray,
+    mass: np.ndarray,
+    rank: np.ndarray,
+    microbatch: np.ndarray,
+) -> GroupFit:
+    """Fit G = sum_g c_g b_g on the group basis `basis` [K, P] (row g: b_g), with U_g = `mass`
+    [K] and each group's `rank` and `microbatch` [K]."""
     K = len(rank)
     P = gradient.size
+    if basis.shape != (K, P):
+        raise ValueError(f"the group basis has shape {basis.shape}, expected ({K}, {P})")
     if not np.isfinite(gradient).all():
         nan = np.full(K, np.nan)
         return GroupFit(
@@ -154,16 +182,14 @@ def fit_groups(
         return GroupFit(
             empty, empty, rank, microbatch, residual, norm_g / math.sqrt(P), 1.0, np.eye(0), P
         )
-    carries = group_of >= 0
-    basis = np.zeros((K, P))
-    np.add.at(basis, group_of[carries], units[carries, None] * jacobian[carries])
-    mass = np.bincount(group_of[carries], weights=units[carries], minlength=K)
-    basis = basis.T
+    mass = np.asarray(mass, dtype=np.float64)
+    basis = np.asarray(basis, dtype=np.float64).T
     norms = np.linalg.norm(basis, axis=0)
     norms = np.where(norms > 0, norms, 1.0)
     # Full right singular vectors: with more groups than parameters (K > P) the K - P
     # directions the basis cannot see must be in the covariance too, with a huge variance.
-    left, singular, right_t = np.linalg.svd(basis / norms, full_matrices=True)
+    # Only then: full matrices also build the P x P left factor, 80 GB at a model's P = 1e5.
+    left, singular, right_t = np.linalg.svd(basis / norms, full_matrices=K > P)
     values = np.concatenate([singular, np.zeros(K - singular.size)])
     floor = values[0] * 1e-15
     seen = values > floor

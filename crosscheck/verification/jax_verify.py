@@ -126,6 +126,7 @@ def run(
     *,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     platform: str | None = None,
+    model: str = "",
 ) -> dict[VerifyJob, VerifyOutput | StepError]:
     """Call the JAX step ``MODULE:FUNCTION`` once per job; each job -> gradient or StepError.
 
@@ -135,6 +136,8 @@ def run(
     the step started, and the jobs it had finished keep their results. The dict is in the
     order of `jobs` (duplicates run once). `platform` (cpu, gpu, tpu) is the worker's JAX
     platform; None: `crosscheck.launch.devices.chosen_platform` (cpu unless a run set one).
+    `model` is ``MODULE:FACTORY`` of the user's own model (``verify --model``; the step gets
+    its params and apply_fn), or "".
     """
     jobs = list(dict.fromkeys(jobs))
     if not jobs:
@@ -154,7 +157,15 @@ def run(
         progress.mkdir()
         job_file = work / "job.pkl"
         job_file.write_bytes(
-            pickle.dumps({"step": step, "jobs": jobs, "cwd": cwd, "progress": str(progress)})
+            pickle.dumps(
+                {
+                    "step": step,
+                    "jobs": jobs,
+                    "cwd": cwd,
+                    "progress": str(progress),
+                    "model": model,
+                }
+            )
         )
         command = [sys.executable, "-m", WORKER_MODULE, str(job_file)]
         failure: Exception | None = None

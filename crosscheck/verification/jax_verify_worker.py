@@ -142,9 +142,14 @@ def _optimizer() -> Any:
     return optax.sgd(1.0)
 
 
-def _arguments(job: VerifyJob, mesh: Any = None) -> tuple[Any, Any, dict[str, np.ndarray], Any]:
+def _arguments(
+    job: VerifyJob,
+    mesh: Any = None,
+    user_model: tuple[Callable[..., Any], Any] | None = None,
+) -> tuple[Any, Any, dict[str, np.ndarray], Any]:
     """(params, apply_fn, batch, mesh) for one job; raises naming what cannot be laid out.
-    `mesh`: the mesh to hand over (a multi-host job's, over every process); None: R devices."""
+    `mesh`: the mesh to hand over (a multi-host job's, over every process); None: R devices.
+    `user_model`: the user's (apply_fn, params) (``verify --model``), else the analytic one."""
     import jax.numpy as jnp
 
     from jax_impl.model import params_from_numpy
@@ -164,6 +169,12 @@ def _arguments(job: VerifyJob, mesh: Any = None) -> tuple[Any, Any, dict[str, np
     for key in ROW_FIELD_KEYS if job.row_fields else fixture.explicit_row_fields:
         batch[key] = np.array(getattr(laid_out, key))
     # Fresh: a step may donate them. float64 unless the job hands the step another dtype.
+    if user_model is not None:
+        from jax_impl.harness.model_reference import with_dtype
+
+        apply_fn, user_params = user_model
+        mesh = mesh or _mesh(job.world_size)
+        return with_dtype(user_params, jnp.dtype(job.dtype)), apply_fn, batch, mesh
     params = params_from_numpy(fixture.params(), jnp.dtype(job.dtype))
     return params, _apply_fn(*fixture.embed.shape), batch, mesh or _mesh(job.world_size)
 
@@ -216,13 +227,26 @@ def read_gradient(
     return grads
 
 
+def _named_tree(params: Any, out: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
+    """The user's params' leaf shapes and the step's returned tree, both by pytree path."""
+    from jax_impl.harness.model_reference import named_leaves
+
+    expected = {name: tuple(np.shape(leaf)) for name, leaf in named_leaves(params).items()}
+    return expected, named_leaves(out)
+
+
 def run_job(
-    step: Callable[..., Any], spec: str, job: VerifyJob, module_file: str | None, mesh: Any = None
+    step: Callable[..., Any],
+    spec: str,
+    job: VerifyJob,
+    module_file: str | None,
+    mesh: Any = None,
+    user_model: tuple[Callable[..., Any], Any] | None = None,
 ) -> tuple:
     """One call of the step: ("ok", grads) or ("error", a message naming the job and cause)."""
     where = f"{job.describe()}: step {spec}"
     try:
-        params, apply_fn, batch, mesh = _arguments(job, mesh)
+        params, apply_fn, batch, mesh = _arguments(job, mesh, user_model)
     except Exception as error:
         return "error", f"{where}: cannot set up the job: {type(error).__name__}: {error}"
     with_optimizer = _takes_optimizer(step)
@@ -232,9 +256,12 @@ def run_job(
         out = step(params, apply_fn, batch, mesh, **kwargs)
     except (Exception, SystemExit) as error:  # sys.exit in a step is the step's failure too
         return "error", f"{where} raised {describe_error(error, module_file)}"
-    expected = {name: tuple(np.shape(params[name])) for name in PARAM_NAMES}
     what = "optax updates" if with_optimizer else "gradient"
     try:
+        if user_model is not None:  # any pytree: its leaves by path (model_reference.named_leaves)
+            expected, out = _named_tree(params, out)
+        else:
+            expected = {name: tuple(np.shape(params[name])) for name in PARAM_NAMES}
         grads = read_gradient(out, expected, job.world_size)
     except ValueError as error:
         return "error", f"{where}: the returned {what} {error}"
@@ -261,12 +288,23 @@ def main(argv: Sequence[str]) -> int:
         message = f"cannot import step {spec}: {describe_error(error, None, fallback=False)}"
         write_atomically(progress / "import-error", message.encode())
         return 0
+    user_model = None
+    if job.get("model"):
+        from jax_impl.harness.model_reference import fresh_model, load_callable
+
+        try:
+            factory = load_callable(job["model"], job["cwd"], "model factory")
+            user_model = fresh_model(factory, job["model"])
+        except Exception as error:
+            message = f"cannot build the model {job['model']}: {describe_error(error, None)}"
+            write_atomically(progress / "import-error", message.encode())
+            return 0
     module = sys.modules.get(spec.partition(":")[0])
     module_file = getattr(module, "__file__", None)
     module_file = str(Path(module_file).resolve()) if module_file else None
     for index, verify_job in enumerate(jobs):
         write_atomically(progress / "current", str(index).encode())
-        result = run_job(step, spec, verify_job, module_file)
+        result = run_job(step, spec, verify_job, module_file, user_model=user_model)
         write_atomically(progress / f"{index}.pkl", pickle.dumps(result))
     write_atomically(progress / "current", b"done")
     return 0

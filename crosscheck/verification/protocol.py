@@ -41,6 +41,19 @@ gradient).
 Either way, a step that raises, returns the wrong keys or shapes, or does not finish within
 the time limit gets a `StepError` naming the fixture, layout and (for torch) rank.
 
+**Your own model.** ``verify --model MODULE:FACTORY`` hands the step the user's model instead
+of the analytic one. torch: ``FACTORY()`` returns a fresh unwrapped ``nn.Module`` with the same
+initial weights every call (two calls' state dicts must be equal, else a `StepSetupError`);
+the step gets it wrapped in DDP, or the factory for a ``model_factory`` step, in the job's
+dtype, and the gradient is read by parameter name. JAX: ``FACTORY()`` returns ``(apply_fn,
+params)``; the step is called as above with them, and returns a tree of the params' structure.
+The reference is then the same model's float64 gradient, computed in one extra process
+(`crosscheck.verification.model_basis`): the intended gradient, one backward of
+``sum_t w_t l_t`` over the global batch, and the group basis the diagnosis fits on, one
+backward per (row, segment) group; :math:`l_t` is the cross-entropy of the logits of
+``--forward`` (default ``model(inputs)``, its ``.logits`` if any; JAX ``apply_fn(params,
+inputs)``) against ``targets``. Rows must be independent (no batch statistics).
+
 **Params dtype.** ``verify --dtype bfloat16`` (or float32) hands the step the model (torch)
 or params (JAX) in that dtype instead of float64; the gradient is read back as float64 and
 judged at the precision its own noise shows (``crosscheck.diagnosis.verdict``).

@@ -54,6 +54,8 @@ class VerifyReport:
     #: What was asked: "auto" or a level.
     precision: str = "auto"
     cases: list[VerifyCase] = field(default_factory=list)
+    #: ``MODULE:FACTORY`` of the user's own model (``verify --model``), "" for the analytic one.
+    model: str = ""
 
     @property
     def ok(self) -> bool:
@@ -214,6 +216,7 @@ class VerifyReport:
             "ok": self.ok,
             "framework": self.framework,
             "step": self.step,
+            "model": self.model or None,
             "scheme": self.scheme.spec,
             "precision": self.level,
             "precision_requested": self.precision,

@@ -176,6 +176,7 @@ def check_step(
     *,
     cwd: str | None = None,
     timeout_s: float = STEP_CHECK_TIMEOUT_S,
+    option: str = "--step",
 ) -> None:
     """Raise `StepSetupError` if ``MODULE:FUNCTION`` names no importable module, or a module
     without that callable, as the runners would import it from `cwd` (default: the current
@@ -186,7 +187,8 @@ def check_step(
     without running anything; anything else is imported in one short subprocess (bounded by
     `timeout_s`). Only a missing module, a missing attribute or a non-callable one is refused:
     a module that raises at import, or a check that cannot finish, is left to the runners,
-    which report it per case in their own environment.
+    which report it per case in their own environment. `option` names what is checked in
+    the message (``--model`` and ``--forward`` name callables too).
     """
     module, _, function = step_name(step).partition(":")
     cwd = os.getcwd() if cwd is None else cwd
@@ -194,7 +196,7 @@ def check_step(
     if spec is None:
         top = module.split(".")[0]
         raise StepSetupError(
-            f"--step {step}: no module named {top!r} in {cwd} (the current directory) or on "
+            f"{option} {step}: no module named {top!r} in {cwd} (the current directory) or on "
             "the Python path"
         )
     origin = spec.origin if spec.name == module and spec.has_location else None
@@ -205,7 +207,7 @@ def check_step(
     detail = None if found is None else found.get("detail")
     if kind == "no-module":
         raise StepSetupError(
-            f"--step {step}: no module named {detail!r} in {cwd} (the current directory) or "
+            f"{option} {step}: no module named {detail!r} in {cwd} (the current directory) or "
             "on the Python path"
         )
     if kind == "no-attribute":
@@ -216,9 +218,9 @@ def check_step(
             hint = f"; did you mean {' or '.join(close)}?"
         else:
             hint = f"; its callables: {shown}" if names else "; it defines no public callable"
-        raise StepSetupError(f"--step {step}: {module} ({where}) has no attribute {part!r}{hint}")
+        raise StepSetupError(f"{option} {step}: {module} ({where}) has no attribute {part!r}{hint}")
     if kind == "not-callable":
         where, what = detail
         raise StepSetupError(
-            f"--step {step}: {module}:{function} ({where}) is not callable: it is {what}"
+            f"{option} {step}: {module}:{function} ({where}) is not callable: it is {what}"
         )

@@ -133,7 +133,12 @@ class _RunClock:
 
 
 def _launch_once(
-    step: str, world_size: int, jobs: list[VerifyJob], clock: _RunClock, device: str = "cpu"
+    step: str,
+    world_size: int,
+    jobs: list[VerifyJob],
+    clock: _RunClock,
+    device: str = "cpu",
+    model: str = "",
 ) -> tuple[dict[VerifyJob, VerifyOutput | StepError], str]:
     """One launch for a prefix of `jobs`: the results of the jobs it got through, and the
     reason the run stops ('' when the remaining jobs may run in a fresh launch)."""
@@ -150,6 +155,7 @@ def _launch_once(
             hard_deadline=clock.hard_deadline,
             budget_s=clock.budget_s,
             collective_timeout_s=collective_s,
+            model=model,
         )
         launch_error: Exception | None = None
         try:
@@ -189,7 +195,12 @@ def _launch_once(
 
 
 def _run_world(
-    step: str, world_size: int, jobs: list[VerifyJob], clock: _RunClock, device: str = "cpu"
+    step: str,
+    world_size: int,
+    jobs: list[VerifyJob],
+    clock: _RunClock,
+    device: str = "cpu",
+    model: str = "",
 ) -> tuple[dict[VerifyJob, VerifyOutput | StepError], str]:
     """Every job of one world size, relaunching after a failed one; and why the run stopped."""
     results: dict[VerifyJob, VerifyOutput | StepError] = {}
@@ -201,7 +212,7 @@ def _run_world(
                 {job: StepError(f"{job.describe()}: not run: {stopped}") for job in pending}
             )
             return results, stopped
-        done, why = _launch_once(step, world_size, pending, clock, device)
+        done, why = _launch_once(step, world_size, pending, clock, device, model)
         results.update(done)
         if why:
             last = pending[len(done) - 1].describe()
@@ -213,7 +224,12 @@ def _run_world(
 
 
 def run(
-    step: str, jobs: list[VerifyJob], *, timeout_s: float = 120.0, device: str = "cpu"
+    step: str,
+    jobs: list[VerifyJob],
+    *,
+    timeout_s: float = 120.0,
+    device: str = "cpu",
+    model: str = "",
 ) -> dict[VerifyJob, VerifyOutput | StepError]:
     """Every job's synchronized gradient under the user's step, or the StepError it met.
 
@@ -223,7 +239,8 @@ def run(
     a fresh one after a job that failed). `timeout_s` is the step's time for all the jobs
     together; `run` returns within ``timeout_s + GRACE_S`` seconds (see the module docstring).
     `device` is ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per rank, NCCL), resolved by the
-    caller (`crosscheck.launch.devices.resolve_torch_device`).
+    caller (`crosscheck.launch.devices.resolve_torch_device`). `model` is ``MODULE:FACTORY``
+    of the user's own model (``verify --model``), or "" for the analytic one.
     """
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
@@ -244,6 +261,6 @@ def run(
                 {job: StepError(f"{job.describe()}: not run: {stopped}") for job in group}
             )
             continue
-        done, stopped = _run_world(step, world_size, group, clock, device)
+        done, stopped = _run_world(step, world_size, group, clock, device, model)
         results.update(done)
     return results

@@ -44,6 +44,7 @@ from crosscheck.launch.devices import (
     resolve_torch_device,
 )
 from crosscheck.run.implementations import not_installed
+from crosscheck.verification.model_basis import ModelReference, model_reference
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.report import VerifyCase, VerifyReport
 from crosscheck.verification.step_check import STEP_CHECK_TIMEOUT_S, check_step, step_name
@@ -111,8 +112,10 @@ def judge(
     scheme: Scheme,
     output: VerifyOutput | BaseException,
     precision: str = "auto",
+    reference: ModelReference | None = None,
 ) -> VerifyCase:
-    """Diagnose one gradient at `precision`; the case passes when the intended scheme fits."""
+    """Diagnose one gradient at `precision`; the case passes when the intended scheme fits.
+    `reference`: the user's model's group basis and intended gradient (``--model``)."""
     if isinstance(output, BaseException):
         return VerifyCase(job, math.inf, False, None, f"{type(output).__name__}: {output}")
     fixture = builtin_fixture(job.fixture)
@@ -126,6 +129,8 @@ def judge(
             dtype=job.dtype,
             precision=precision,
             logged_denominator=output.logged_denominator,
+            basis=None if reference is None else reference.bases[job.fixture],
+            intended_grads=None if reference is None else reference.intended[job],
         )
     except ValueError as error:  # wrong keys or shapes that got past the runner
         return VerifyCase(job, math.inf, False, None, f"StepError: {error}")
@@ -148,6 +153,8 @@ def verify(
     device: str = "cpu",
     platform: str | None = None,
     run_jobs: Callable[[str, list[VerifyJob]], dict] | None = None,
+    model: str | Callable | None = None,
+    forward: str | Callable | None = None,
 ) -> VerifyReport:
     """Run `step` (see crosscheck.verification.protocol) on every fixture and layout and judge it.
 
@@ -163,6 +170,12 @@ def verify(
     cpu, gpu, tpu) say where the step runs (`crosscheck.launch.devices`, docs/gpu.md).
     `run_jobs(step, jobs)`, when given, runs the jobs in place of the framework's own runner
     (inside a launcher's job: `crosscheck.verification.torch_launched`, `jax_launched`).
+
+    `model` (``MODULE:FACTORY`` or the function) brings the user's own model: the step is
+    handed it instead of the analytic one, and the reference is that model's intended
+    gradient and group basis (`crosscheck.verification.model_basis`); `forward`
+    (``MODULE:FN``) is how the reference gets its logits (docs/verify.md, "Bring your own
+    model").
 
     Raises ValueError for bad arguments, and `StepSetupError` (a ValueError) when `step`
     names a module or function that does not exist (`check_step`), before any process starts.
@@ -201,22 +214,47 @@ def verify(
     # Once, before any process starts: a step that does not exist is a set-up error (raised
     # here, exit 2 on the command line), never a failing case per fixture and layout.
     check_step(name, framework, timeout_s=min(timeout_s, STEP_CHECK_TIMEOUT_S))
+    reference, model_name = None, ""
+    if model is not None:
+        if run_jobs is not None:
+            raise ValueError(
+                "--model runs its reference in a process of its own, which a launcher's job "
+                "does not start: run `verify --model` without torchrun or a multi-host start"
+            )
+        model_name = step_name(model)
+        forward_name = "" if forward is None else step_name(forward)
+        for option, callable_name in (("--model", model_name), ("--forward", forward_name)):
+            if callable_name:
+                check = min(timeout_s, STEP_CHECK_TIMEOUT_S)
+                check_step(callable_name, framework, timeout_s=check, option=option)
+        reference = model_reference(
+            framework, model_name, forward_name, jobs, intended, timeout_s=timeout_s
+        )
+    elif forward is not None:
+        raise ValueError("forward is how the reference runs the user's model: give model too")
     if run_jobs is not None:  # inside a launcher's job, which placed this process itself
         outputs = run_jobs(name, jobs)
     else:
         runner = importlib.import_module(FRAMEWORKS[framework])
-        outputs = runner.run(name, jobs, timeout_s=timeout_s, **place)
+        extra = {"model": model_name} if model_name else {}
+        outputs = runner.run(name, jobs, timeout_s=timeout_s, **place, **extra)
     cases = [
         judge(
             job,
             intended,
             outputs.get(job, StepError(f"{job.describe()}: planned but never reported")),
             precision,
+            reference,
         )
         for job in jobs
     ]
     return VerifyReport(
-        framework=framework, step=name, scheme=intended, precision=precision, cases=cases
+        framework=framework,
+        step=name,
+        scheme=intended,
+        precision=precision,
+        cases=cases,
+        model=model_name,
     )
 
 

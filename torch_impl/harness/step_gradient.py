@@ -34,25 +34,47 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+#: Name prefixes a wrapper adds to its module's parameters: DDP's ``module.``,
+#: ``torch.compile``'s ``_orig_mod.``.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name on the unwrapped model."""
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
 def read_grads(
     model: nn.Module,
     params: Mapping[str, np.ndarray],
     optimizer: torch.optim.Optimizer | None,
+    full_names: bool = False,
 ) -> dict[str, np.ndarray]:
     """The gradient the step left in `model`, float64 numpy, or StepResultError saying why not.
 
-    Parameters are matched on their last name component (``module.embed`` under DDP). With
-    an optimizer the gradient is ``params - after`` (SGD, learning rate 1).
+    Parameters are matched on their last name component (``module.embed`` under DDP); with
+    `full_names` (a user's model, ``verify --model``) on their whole name less the prefixes a
+    wrapper adds (`_unwrapped_name`). With an optimizer the gradient is ``params - after``
+    (SGD, learning rate 1).
     """
     named: dict[str, nn.Parameter] = {}
     for name, param in model.named_parameters():
-        short = name.rsplit(".", 1)[-1]
+        if full_names and not param.requires_grad:  # frozen: no part of the gradient
+            continue
+        short = _unwrapped_name(name) if full_names else name.rsplit(".", 1)[-1]
         if short in named:
             raise StepResultError(f"the model holds two parameters named {short!r}")
         named[short] = param
-    if set(named) != set(PARAM_NAMES):
+    expected_names = sorted(params) if full_names else list(PARAM_NAMES)
+    if set(named) != set(expected_names):
+        missing, extra = sorted(set(expected_names) - set(named)), sorted(set(named) - set(params))
         raise StepResultError(
-            f"the model's parameters are {sorted(named)}, expected {list(PARAM_NAMES)}"
+            f"the model's parameters are not the factory's: missing {missing[:5]}, unexpected "
+            f"{extra[:5]}"
+            if full_names
+            else f"the model's parameters are {sorted(named)}, expected {list(PARAM_NAMES)}"
         )
     if optimizer is not None:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -63,7 +85,7 @@ def read_grads(
                 "optimizer after wrapping and take no optimizer argument"
             )
     grads = {}
-    for name in PARAM_NAMES:  # a fixed order: gathering a DTensor is a collective
+    for name in expected_names:  # a fixed order: gathering a DTensor is a collective
         param, expected = named[name], np.asarray(params[name]).shape
         if tuple(param.shape) != expected:
             raise StepResultError(

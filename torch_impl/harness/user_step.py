@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, rank_microbatches
 from torch_impl.harness.jobs import BatchJob
+from torch_impl.harness.model_reference import ModelSetupError, fresh_model, load_callable
 from torch_impl.harness.step_gradient import StepResultError, read_grads
 
 # Re-exported: the harness (crosscheck.verification.torch_verify) reads the status files by these.
@@ -113,6 +114,9 @@ class UserStepConfig:
     budget_s: float
     #: The process group's timeout.
     collective_timeout_s: float
+    #: ``MODULE:FACTORY`` of the user's own model (``verify --model``), or "": the analytic
+    #: model. The factory returns a fresh unwrapped nn.Module with the same weights each call.
+    model: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,20 +213,41 @@ def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str
     ]
 
 
-def run_job(step: LoadedStep, job: UserStepJob, rank: int, world_size: int) -> RankOutcome:
-    """Call the step once on this rank and read its gradient; never raises."""
+def run_job(
+    step: LoadedStep,
+    job: UserStepJob,
+    rank: int,
+    world_size: int,
+    user_model: Callable[[torch.dtype], nn.Module] | None = None,
+) -> RankOutcome:
+    """Call the step once on this rank and read its gradient; never raises. `user_model`
+    builds the user's own model in a dtype (None: the analytic model)."""
     try:
         microbatches = _microbatches(job, rank, world_size)
         dtype = _DTYPES[job.dtype]
-        first = BilinearLM.from_numpy(job.params, dtype)
+
+        def new_model() -> nn.Module:
+            if user_model is not None:
+                return user_model(dtype)
+            return BilinearLM.from_numpy(job.params, dtype)
+
+        first = new_model()
+        params = job.params
+        if user_model is not None:  # the initial weights, by name, for reading the update
+            # A copy: a float64 parameter's numpy view would follow the optimizer's update.
+            params = {
+                n: p.detach().to(torch.float64).numpy().copy()
+                for n, p in first.named_parameters()
+                if p.requires_grad  # frozen parameters are no part of the gradient
+            }
         optimizer = torch.optim.SGD(first.parameters(), lr=1.0) if step.takes_optimizer else None
         kwargs = {"optimizer": optimizer} if optimizer is not None else {}
         if step.factory:
             # The first model is the optimizer's; any later call gets a fresh one.
             unused = [first]
 
-            def model_factory() -> BilinearLM:
-                return unused.pop() if unused else BilinearLM.from_numpy(job.params, dtype)
+            def model_factory() -> nn.Module:
+                return unused.pop() if unused else new_model()
 
             model: Any = model_factory
         else:
@@ -247,7 +272,7 @@ def run_job(step: LoadedStep, job: UserStepJob, rank: int, world_size: int) -> R
             )
         model = returned
     try:
-        grads = read_grads(model, job.params, optimizer)
+        grads = read_grads(model, params, optimizer, full_names=user_model is not None)
         return RankOutcome(rank, grads, logged_denominator=_take_logged_denominator())
     except StepResultError as error:
         return RankOutcome(rank, None, f"after the step: {error}", RESULT)
@@ -255,6 +280,14 @@ def run_job(step: LoadedStep, job: UserStepJob, rank: int, world_size: int) -> R
         return RankOutcome(
             rank, None, f"reading the gradient failed: {error!r}", _error_kind(error)
         )
+
+
+def _user_model(config: UserStepConfig) -> Callable[[torch.dtype], nn.Module] | None:
+    """A builder of the user's model in a dtype (None: the analytic model)."""
+    if not config.model:
+        return None
+    factory = load_callable(config.model, config.cwd, "model factory")
+    return lambda dtype: fresh_model(factory, config.model, dtype)
 
 
 def run_user_steps(
@@ -270,7 +303,8 @@ def run_user_steps(
         raise RuntimeError(f"rank {rank}: run_user_steps needs an initialized process group")
     try:
         step = load_step(config.step, config.cwd)
-    except ImportError as error:  # the same on every rank, before any collective
+        user_model = _user_model(config)
+    except (ImportError, ModelSetupError) as error:  # alike on every rank, before a collective
         with open(import_error_path(config.status_dir, rank), "w") as f:
             f.write(str(error))
         return 0
@@ -289,7 +323,7 @@ def run_user_steps(
             return index  # no time left to start it
         with watchdog(watchdog_path(config.status_dir, index, rank), deadline):
             watcher.begin(index)
-            watcher.publish(index, run_job(step, job, rank, world_size))
+            watcher.publish(index, run_job(step, job, rank, world_size, user_model))
             outcomes = wait_for_peers(config.status_dir, job.label, index, world_size, deadline)
         if any(o.error for o in outcomes):
             return index + 1  # every rank reads the same files, so all of them stop here
