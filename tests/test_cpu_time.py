@@ -1,0 +1,81 @@
+"""The CPU seconds a command reports count the processes it started, forked ones included."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+import time
+
+from child_env import ROOT, TESTS
+
+
+def burn(rank: int, world_size: int, seconds: float) -> float:
+    """A rank's work: spin until this process has used `seconds` of CPU; how much it used."""
+    while time.process_time() < seconds:
+        pass
+    return time.process_time()
+
+
+def test_command_cpu_seconds_counts_the_ranks_a_fork_server_forked():
+    # In a fresh process: stopping the fork server at the end must not touch this pytest
+    # process's own launches. The ranks burn CPU and report their own process time; the
+    # fork server, not the parent, reaps them, so the parent's RUSAGE_CHILDREN sees them only
+    # once the server is stopped and reaped.
+    script = textwrap.dedent(
+        """
+        import resource, time
+        from crosscheck.launch.cpu_time import command_cpu_seconds, cpu_seconds
+        from torch_impl.harness.launcher import launch, start_method
+        from test_cpu_time import burn
+
+        def children():
+            usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+            return usage.ru_utime + usage.ru_stime
+
+        assert start_method() == "forkserver", start_method()
+        before, children_before = cpu_seconds(), children()
+        ranks = launch(burn, 2, (0.3,), timeout_s=120)
+        unreaped = children() - children_before
+        total = command_cpu_seconds() - before
+        print(sum(ranks), unreaped, total)
+        """
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=TESTS,
+        # The ranks import this module (for `burn`): tests/ on the path, after the root.
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])},
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    ranks, unreaped, total = map(float, completed.stdout.split())
+    # Each rank burned at least 0.3 s of its own CPU (it loops until process_time says so).
+    assert ranks >= 0.6
+    # Before the server is stopped the ranks are invisible to the parent's counters: the
+    # reason command_cpu_seconds stops it. A rank's CPU is never below what it measured of
+    # itself, so after the stop the total holds both ranks' (and more: the server, this
+    # process); no margin is needed.
+    assert unreaped < ranks
+    assert total >= ranks
+
+
+def test_cpu_seconds_is_own_plus_reaped_children():
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    from crosscheck.launch.cpu_time import cpu_seconds
+
+    # A child that burns CPU, reaped by subprocess.run: counted from then on.
+    before = cpu_seconds()
+    subprocess.run(
+        [sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass"],
+        check=True,
+        timeout=60,
+    )
+    # At least the child's 0.3 s (its own process_time, which its rusage covers), plus this
+    # process's CPU since `before`, which only grows.
+    assert cpu_seconds() - before >= 0.3
+    assert cpu_seconds() >= own.ru_utime + own.ru_stime
