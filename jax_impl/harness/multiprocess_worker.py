@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from jax_impl.batch import lay_out_global_batch, rank_slice
 from jax_impl.denominators import denominator_dtype
-from jax_impl.harness.launch import SMALL_PROGRAM_JAX_CONFIG, write_atomically
+from jax_impl.harness.launch import write_atomically
 from jax_impl.harness.multiprocess import PORT_TAKEN_EXIT, variant_name
 from jax_impl.losses import Microbatch
 from jax_impl.model import Params, params_from_numpy
@@ -297,8 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # x64 is global and must be set before any array exists; float32 cases stay float32
     # because every array they use is cast to float32 explicitly.
     jax.config.update("jax_enable_x64", bool(spec.get("x64", False)))
-    for name, value in SMALL_PROGRAM_JAX_CONFIG:  # the harness's compile settings
-        jax.config.update(name, value)
     if args.process_id == 0:
         taken = check_coordinator_port(args.coordinator)
         if taken:
