@@ -19,28 +19,30 @@ def burn(rank: int, world_size: int, seconds: float) -> float:
     return time.process_time()
 
 
-def test_command_cpu_seconds_counts_the_ranks_a_fork_server_forked():
-    # In a fresh process: stopping the fork server at the end must not touch this pytest
-    # process's own launches. The ranks burn CPU and report their own process time; the
-    # fork server, not the parent, reaps them, so the parent's RUSAGE_CHILDREN sees them only
-    # once the server is stopped and reaped.
+def test_cpu_seconds_counts_the_ranks_a_fork_server_forked_and_stops_nothing():
+    # In a fresh process, so that its counters start with it. The ranks burn CPU and report
+    # their own process time; the fork server, not this process, reaps them, so this
+    # process's RUSAGE_CHILDREN never sees them while the server lives: cpu_seconds reads
+    # the server's own counters instead, and leaves it running for the next launch.
     script = textwrap.dedent(
         """
-        import resource, time
-        from crosscheck.launch.cpu_time import command_cpu_seconds, cpu_seconds
+        import resource
+        from crosscheck.launch.cpu_time import cpu_seconds
+        import os
+        from torch_impl.harness.rank_start import SERVER
         from torch_impl.harness.launcher import launch, start_method
         from test_cpu_time import burn
 
-        def children():
+        def reaped():
             usage = resource.getrusage(resource.RUSAGE_CHILDREN)
             return usage.ru_utime + usage.ru_stime
 
         assert start_method() == "forkserver", start_method()
-        before, children_before = cpu_seconds(), children()
+        before, reaped_before = cpu_seconds(), reaped()
         ranks = launch(burn, 2, (0.3,), timeout_s=120)
-        unreaped = children() - children_before
-        total = command_cpu_seconds() - before
-        print(sum(ranks), unreaped, total)
+        total = cpu_seconds() - before
+        os.kill(SERVER._forkserver_pid, 0)  # raises unless the fork server still runs
+        print(sum(ranks), reaped() - reaped_before, total)
         """
     )
     completed = subprocess.run(
@@ -53,14 +55,13 @@ def test_command_cpu_seconds_counts_the_ranks_a_fork_server_forked():
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(TESTS)])},
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
-    ranks, unreaped, total = map(float, completed.stdout.split())
+    ranks, reaped, total = map(float, completed.stdout.split())
     # Each rank burned at least 0.3 s of its own CPU (it loops until process_time says so).
     assert ranks >= 0.6
-    # Before the server is stopped the ranks are invisible to the parent's counters: the
-    # reason command_cpu_seconds stops it. A rank's CPU is never below what it measured of
-    # itself, so after the stop the total holds both ranks' (and more: the server, this
-    # process); no margin is needed.
-    assert unreaped < ranks
+    # The ranks are invisible to the reaped-children counter (the reason for /proc), and
+    # counted by cpu_seconds: a rank's CPU is never below what it measured of itself, so the
+    # total holds both ranks' (and more: the server, this process); no margin is needed.
+    assert reaped < ranks
     assert total >= ranks
 
 

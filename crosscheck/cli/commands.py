@@ -44,7 +44,7 @@ from crosscheck.contract.cases import Case
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad
 from crosscheck.fixtures.builtin import builtin_fixture
-from crosscheck.launch.cpu_time import command_cpu_seconds
+from crosscheck.launch.cpu_time import cpu_seconds
 from crosscheck.launch.processes import handle_signals
 from crosscheck.run.implementations import not_installed
 from crosscheck.run.matrix import run_matrix
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.timings:
         console.print(timings_table(result.timings))
     wall = time.perf_counter() - started
-    cpu = command_cpu_seconds()
+    cpu = cpu_seconds()
     console.print(summary_line(result.rows, wall, result.skipped, cpu), soft_wrap=True)
     if args.json is not None:
         write_json(

@@ -21,7 +21,7 @@ from rich.table import Table
 from crosscheck import exit_codes
 from crosscheck.cli.report import fitted, time_figures
 from crosscheck.diagnosis.verdict import LEVEL_NAMES
-from crosscheck.launch.cpu_time import command_cpu_seconds
+from crosscheck.launch.cpu_time import cpu_seconds
 from crosscheck.verification.verifier import VerifyCase, VerifyReport, verify
 
 
@@ -133,7 +133,7 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
     print_verify_table(console, report)
     console.print(report.message(), markup=False, highlight=False)
     wall = time.perf_counter() - started
-    cpu = command_cpu_seconds()
+    cpu = cpu_seconds()
     console.print(f"{'OK' if report.ok else 'FAIL'}   {time_figures(wall, cpu)}")
     if args.json is not None:
         record = report.to_json()

@@ -1,37 +1,57 @@
-"""CPU seconds of a command: this process and every process it started, fork servers included.
+"""CPU seconds of a command: this process and every process it started, forked ones included.
 
 Wall time on a shared machine says how busy the other users were; CPU time says what the
 command cost. ``getrusage(RUSAGE_CHILDREN)`` counts a child only once it was reaped, together
 with every descendant that child reaped in turn. The workers of a run are not our children:
 torch ranks are forked (and reaped) by the launcher's fork server, JAX workers by the zygote;
-both servers are our children and stay alive, unreaped, until they are stopped. So
-`command_cpu_seconds` first stops them (`crosscheck.launch.processes.terminate_all`: SIGTERM,
-reaped; nothing else is running at the end of a command) and then reads both counters. A later
-launch in the same process starts fresh servers, as after an interrupt.
+both servers are our children and stay alive, unreaped, until the process exits. So
+`cpu_seconds` adds, for every child still alive or not yet reaped, its own CPU and what it
+reaped (``utime + stime + cutime + cstime`` of ``/proc/PID/stat``). It stops nothing: a later
+launch in the same process still finds its servers.
+
+Where ``/proc`` does not exist (macOS), only this process and its reaped children count: the
+figure is then a lower bound.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
+from pathlib import Path
 
-from crosscheck.launch.processes import terminate_all
-
-#: How long the servers get between SIGTERM and SIGKILL: both exit on SIGTERM at once, and
-#: a server killed by SIGKILL is counted the same (its reaped children were added to it).
-SERVER_GRACE_S = 1.0
+_PROC = Path("/proc")
+#: Fields of ``/proc/PID/stat`` after the command name's closing parenthesis (0-based there):
+#: the parent's pid, then user and system time of the process and of its reaped children.
+_PPID, _UTIME, _STIME, _CUTIME, _CSTIME = 1, 11, 12, 13, 14
 
 
 def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and of every child reaped so far (with the
-    descendants each of them reaped)."""
+    """User + system CPU seconds of this process and every process it started: its reaped
+    children (with the descendants each of them reaped) and its unreaped ones (with theirs)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + unreaped_children_cpu()
 
 
-def command_cpu_seconds() -> float:
-    """`cpu_seconds` once the fork servers this process started are stopped and reaped, so
-    that the workers they forked are counted: for the end of a command, when no launch is in
-    flight (one still running would be stopped)."""
-    terminate_all(grace_s=SERVER_GRACE_S)
-    return cpu_seconds()
+def unreaped_children_cpu(pid: int | None = None) -> float:
+    """CPU seconds of the children of `pid` (default: this process) that it has not reaped,
+    each with the descendants it reaped; 0.0 where ``/proc`` does not exist.
+
+    A child that exits between the listing and the read, or a file that cannot be parsed,
+    is left out rather than raising: the figure is a report, never a reason to fail."""
+    if not _PROC.is_dir():
+        return 0.0
+    parent = os.getpid() if pid is None else pid
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = (entry / "stat").read_text()
+            # The command name may hold spaces and parentheses: split after its last ')'.
+            fields = text[text.rindex(")") + 2 :].split()
+            if int(fields[_PPID]) == parent:
+                total += sum(int(fields[i]) for i in (_UTIME, _STIME, _CUTIME, _CSTIME))
+    return total / ticks
