@@ -138,6 +138,10 @@ def test_multiprocess_matches_oracle(num_processes: int, tmp_path: Path) -> None
         extra_xla_flags=RUNNER_XLA_FLAGS,  # its device count is replaced by 1 per process
     )
     assert sorted(int(out["rank"]) for out in outputs) == list(range(num_processes))
+    # Each program that spans the processes was compiled once, by process 0, and loaded by
+    # the others: every process holds the shared programs (the results below are theirs).
+    shared = [int(out["shared_programs"]) for out in outputs]
+    assert min(shared) > 0 and len(set(shared)) == 1, f"programs shared per process: {shared}"
     records = {dtype: [] for dtype in DTYPES}
     for index, (name, R, M) in enumerate(cases):
         for dtype in DTYPES:

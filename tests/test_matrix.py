@@ -50,12 +50,15 @@ def test_run_exits_zero_and_prints_the_table(run_output):
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
     assert "9.0x" not in completed.stdout  # seed is not in this run: no seed table
     assert "wall time" in completed.stdout and "OK" in completed.stdout
+    assert ", CPU " in completed.stdout  # the CPU seconds beside the wall time
 
 
 def test_json_has_the_documented_keys_and_every_check(run_output):
     _, out = run_output
     payload = json.loads((out / "run.json").read_text())
     assert payload["ok"] is True and payload["wall_s"] > 0
+    # Every rank and worker's CPU too, so more than the harness process alone could use.
+    assert isinstance(payload["cpu_s"], float) and payload["cpu_s"] > 0
     assert payload["plan"]["explicit"] == ["accum_steps", "fixtures", "schemes", "world_sizes"]
     rows = payload["results"]
     for row in rows:

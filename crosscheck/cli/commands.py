@@ -46,6 +46,7 @@ from crosscheck.contract.cases import Case
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.cpu_time import cpu_seconds
 from crosscheck.launch.processes import handle_signals
 from crosscheck.run.implementations import not_installed
 from crosscheck.run.matrix import run_matrix
@@ -149,10 +150,16 @@ def _run_matrix(args: argparse.Namespace, console: Console, plan: Plan, started:
     if args.timings:
         console.print(timings_table(result.timings))
     wall = time.perf_counter() - started
-    console.print(summary_line(result.rows, wall, result.skipped), soft_wrap=True)
+    cpu = cpu_seconds()
+    console.print(summary_line(result.rows, wall, result.skipped, cpu), soft_wrap=True)
     if args.json is not None:
         write_json(
-            args.json, result.rows, wall, {"plan": _plan_record(plan)}, skipped=result.skipped
+            args.json,
+            result.rows,
+            wall,
+            {"plan": _plan_record(plan)},
+            skipped=result.skipped,
+            cpu_s=cpu,
         )
     if args.log is not None:
         count = write_update_log(args.log, result.metrics(), result.term_logs)

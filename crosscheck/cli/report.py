@@ -255,9 +255,13 @@ def _rows(count: int) -> str:
 
 
 def summary_line(
-    rows: Sequence[CaseResult], wall_s: float, skipped: Sequence[SkippedCase] = ()
+    rows: Sequence[CaseResult],
+    wall_s: float,
+    skipped: Sequence[SkippedCase] = (),
+    cpu_s: float | None = None,
 ) -> str:
-    """One line: rows, failures, the verdict, what the plan did not run and why, wall time."""
+    """One line: rows, failures, the verdict, what the plan did not run and why, wall time
+    and, when given, CPU seconds (this process and every process it started)."""
     failed = sum(not r.ok for r in rows)
     not_run = sum(not r.ok and r.not_run for r in rows)
     accidental = sum(expects_a_move(r) for r in rows if r.ok)
@@ -274,7 +278,14 @@ def summary_line(
         reasons = skip_reasons(skipped)
         by_reason = "; ".join(f"{count} {escape(reason)}" for reason, count in reasons)
         line += f"; {len(skipped)} planned combinations not run: {by_reason}"
-    return f"{line}   wall time {wall_s:.1f} s"
+    return f"{line}   {time_figures(wall_s, cpu_s)}"
+
+
+def time_figures(wall_s: float, cpu_s: float | None) -> str:
+    """ "wall time 61.2 s, CPU 118.4 s": the CPU seconds of the command and every process it
+    started, beside the wall time (on a shared machine the CPU figure is the steadier one)."""
+    cpu = "" if cpu_s is None else f", CPU {cpu_s:.1f} s"
+    return f"wall time {wall_s:.1f} s{cpu}"
 
 
 def write_json(
@@ -283,12 +294,15 @@ def write_json(
     wall_s: float,
     meta: dict[str, Any],
     skipped: Sequence[SkippedCase] = (),
+    cpu_s: float | None = None,
 ) -> None:
-    """The report: `ok`, `wall_s`, `meta`'s keys, `skipped` (every combination of the plan
-    that did not run, with its reason) and `results` (every row)."""
+    """The report: `ok`, `wall_s`, `cpu_s` (None when not measured), `meta`'s keys, `skipped`
+    (every combination of the plan that did not run, with its reason) and `results` (every
+    row)."""
     payload = {
         "ok": run_ok(rows),
         "wall_s": round(wall_s, 3),
+        "cpu_s": None if cpu_s is None else round(cpu_s, 3),
         **meta,
         "skipped": [s.to_json() for s in skipped],
         "results": [r.to_json() for r in rows],

@@ -19,8 +19,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from crosscheck import exit_codes
-from crosscheck.cli.report import fitted
+from crosscheck.cli.report import fitted, time_figures
 from crosscheck.diagnosis.verdict import LEVEL_NAMES
+from crosscheck.launch.cpu_time import cpu_seconds
 from crosscheck.verification.verifier import VerifyCase, VerifyReport, verify
 
 
@@ -136,10 +137,12 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
     print_verify_table(console, report)
     console.print(report.message(), markup=False, highlight=False)
     wall = time.perf_counter() - started
-    console.print(f"{'OK' if report.ok else 'FAIL'}   wall time {wall:.1f} s")
+    cpu = cpu_seconds()
+    console.print(f"{'OK' if report.ok else 'FAIL'}   {time_figures(wall, cpu)}")
     if args.json is not None:
         record = report.to_json()
         record["wall_time_s"] = wall
+        record["cpu_s"] = cpu
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
     return verify_exit_code(report)

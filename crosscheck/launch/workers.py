@@ -228,14 +228,18 @@ def serve_job(argv: Sequence[str], work: Callable[[dict], object]) -> int:
     """A JAX worker's ``main(JOB OUT)``: `work` the pickled job, pickle its result to OUT.
 
     x64 is process-global in JAX and must be set before any array exists: it is on exactly
-    when the job's ``"dtype"`` is float64. OUT is written atomically: the launcher reads it
-    only after the worker exited 0, and a worker that dies leaves none.
+    when the job's ``"dtype"`` is float64. The harness's compile settings
+    (`jax_impl.harness.launch.SMALL_PROGRAM_JAX_CONFIG`) are set too: these workers run the
+    project's own programs only. OUT is written atomically: the launcher reads it only after
+    the worker exited 0, and a worker that dies leaves none.
     """
     job_path, out_path = Path(argv[0]), Path(argv[1])
     job = pickle.loads(job_path.read_bytes())
     import jax
 
     jax.config.update("jax_enable_x64", job["dtype"] == "float64")
+    for name, value in jax_launch().SMALL_PROGRAM_JAX_CONFIG:
+        jax.config.update(name, value)
     write_atomically(out_path, pickle.dumps(work(job)))
     return 0
 

@@ -186,7 +186,9 @@ def failed_case(case: Case, error: BaseException | str, not_run: bool = True) ->
 def cross_implementation(outputs: dict[Case, CaseOutput]) -> list[CaseResult]:
     """Per fixture, scheme, layout and dtype: the largest disagreement between any two cases."""
     groups: dict[tuple, list[Case]] = {}
-    for case in outputs:
+    # In case order, not the order the runs came back in: among pairs that disagree equally
+    # the row names the same pair in every run.
+    for case in sorted(outputs):
         key = (case.fixture, case.scheme, case.world_size, case.accum_steps, case.dtype)
         groups.setdefault(key, []).append(case)
     rows = []

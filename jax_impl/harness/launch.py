@@ -61,6 +61,17 @@ SMALL_PROGRAM_XLA_FLAGS = (
     "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
     "--xla_cpu_parallel_codegen_split_count=1"
 )
+#: jax.config settings for the in-process workers (eight fake devices in one process), set
+#: by each before it traces anything (`crosscheck.launch.workers.serve_job`): the GSPMD
+#: partitioner instead of Shardy. Their programs are shard_map, pmap (a shard_map in this
+#: jax) and global jit over a 1-D data mesh; Shardy's propagation passes were a fifth of XLA's
+#: compile time there (shard_map at R = 2: 6.8 s -> 5.5 s of compile per worker), and the
+#: results are bit-identical (every case of every in-process front-end at R = 1, 2, 4,
+#: compared bit for bit). Not for the `jax.distributed` processes: there GSPMD's programs
+#: compiled as fast but ran slower (the multi-process launches took 58 s instead of 40 s of
+#: wall on 2 cores). Not for a user's own step (`crosscheck verify`) either: that runs as its
+#: author configured it.
+SMALL_PROGRAM_JAX_CONFIG: tuple[tuple[str, bool], ...] = (("jax_use_shardy_partitioner", False),)
 #: How long `run_workers` waits for the groups it killed to be gone.
 KILL_WAIT_S = 10.0
 

@@ -13,6 +13,7 @@ scheme and variant of the spec, and writes what it computed, nothing judged, to
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pickle
@@ -47,6 +48,10 @@ from jax_impl.spec_step import spec_step_config
 from jax_impl.update import StepConfig, SweepFn, UpdateResult, apply_optimizer
 
 WORKER_TIMEOUT_S = 60  # jax.distributed's own waits (initialization, heartbeat, shutdown)
+#: How long a process waits for process 0 to publish a program it compiles: the launch's own
+#: deadline (`crosscheck.run.jax_runner.WORKER_TIMEOUT_S`, 300 s) ends a launch that stalls
+#: sooner; this bound only keeps the wait finite where a worker runs without a launcher.
+SHARED_PROGRAM_WAIT_S = 600
 
 
 def check_coordinator_port(coordinator_address: str) -> str:
@@ -72,9 +77,8 @@ def initialize(
 ) -> None:
     """Join the job: gloo CPU collectives, then ``jax.distributed.initialize`` with timeouts.
 
-    Every process compiles each SPMD program itself. (jax's ``share_binary_between_hosts``
-    would compile once and hand the binary over, but on CPU in jax 0.10 the persistent-cache
-    key differs between processes, so the receivers wait for a key nobody publishes.)
+    Then `share_compiled_programs`: process 0 compiles each program that spans the
+    processes, the others load its binary.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -85,6 +89,53 @@ def initialize(
         heartbeat_timeout_seconds=timeout_s,
         shutdown_timeout_seconds=timeout_s,
     )
+    share_compiled_programs()
+
+
+def shared_program_key(options: Any, backend: Any, computation: Any, devices: Any, **_: Any) -> str:
+    """The key under which process 0 publishes a compiled program: a hash of the module's
+    text and its compile options, which every process of an SPMD program holds identical.
+
+    jax's own key (``jax._src.compiler._get_cache_key``) hashes each process's own devices
+    too, so on CPU it differs between processes and a process waiting for process 0's binary
+    would wait for a key nobody publishes. Compile options that did differ (a program local
+    to one process, whose options name its own device) give different keys: such a program
+    is not shared (jax shares only programs whose devices span several processes).
+    """
+    digest = hashlib.sha256(str(computation).encode())
+    digest.update(options.SerializeAsString())
+    return f"gradweight-shared-{digest.hexdigest()}"
+
+
+def share_compiled_programs(wait_s: int = SHARED_PROGRAM_WAIT_S) -> bool:
+    """Compile every program that spans the processes once, in process 0, and hand the
+    binary to the others through jax.distributed's key-value store; whether it is on.
+
+    Every process of a launch otherwise compiles the same SPMD programs, on the same few
+    cores: at R = 4 three of the four compilations were waste. The binary is the one process 0
+    compiled, so every process runs exactly the same code (results are bit-identical to each
+    process compiling its own: same module, same options, same compiler). jax does the
+    publishing and loading (``jax_share_binary_between_hosts``); this process only gives it
+    a key every process computes alike (`shared_program_key`), through the private hook
+    ``jax._src.compiler._get_cache_key``. Where a jax version lacks that hook, nothing is
+    shared (every process compiles, as before): sharing with jax's own key would hang.
+    """
+    from jax._src import compiler
+
+    if not callable(getattr(compiler, "_get_cache_key", None)):
+        return False
+    compiler._get_cache_key = shared_program_key
+    jax.config.update("jax_share_binary_between_hosts", True)
+    jax.config.update("jax_share_binary_between_hosts_timeout_ms", wait_s * 1000)
+    return True
+
+
+def shared_program_count() -> int:
+    """How many programs this process compiled and published (process 0) or loaded from
+    process 0 (the others): what jax's sharing holds, 0 when nothing was shared."""
+    from jax._src import compiler
+
+    return len(getattr(getattr(compiler, "_compile_and_share_module", None), "modules_cache", {}))
 
 
 def global_data_mesh() -> tuple[Mesh, int]:
@@ -229,6 +280,7 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
                     f"{case_index}/{dtype}", results, labels=[("spec", "token_mean")],
                     config_labels=spec_labels,
                 )  # fmt: skip
+    results["shared_programs"] = np.asarray(shared_program_count())
     write_atomically(out_path, pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL))
 
 
