@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+HF_MODEL = "examples.torch_hf_model:model"
+FLAX_MODEL = "examples.jax_flax_model:model"
 #: (framework, step, scheme, extra options): the table of docs/verify.md, plus contract v2's
 #: GRPO examples.
 EXAMPLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
@@ -27,13 +29,13 @@ EXAMPLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("torch", "examples.torch_factory:step", "token_mean", ()),
     ("torch", "examples.torch_hf_loss:step", "token_mean", ()),
     ("torch", "examples.torch_grpo_prompt_mean:step", "group_token_mean", ()),
-    ("torch", "examples.torch_hf_model:step", "token_mean", ("--model", "examples.torch_hf_model:model")),
+    ("torch", "examples.torch_hf_model:step", "token_mean", ("--model", HF_MODEL)),
     ("jax", "examples.jax_pmap_mean:step", "token_mean", ()),
     ("jax", "examples.jax_optax_multisteps:step", "token_mean", ()),
     ("jax", "examples.jax_token_weighted:step", "token_mean", ()),
     ("jax", "examples.jax_optax_float32:step", "token_mean", ()),
     ("jax", "examples.jax_grpo_prompt_mean:step", "group_token_mean", ()),
-    ("jax", "examples.jax_flax_model:step", "token_mean", ("--model", "examples.jax_flax_model:model")),
+    ("jax", "examples.jax_flax_model:step", "token_mean", ("--model", FLAX_MODEL)),
 )  # fmt: skip
 
 
