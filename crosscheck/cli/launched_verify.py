@@ -20,10 +20,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from crosscheck import exit_codes
-from crosscheck.cli.verify_report import print_verify_table, verify_exit_code
+from crosscheck.cli.verify_report import verify_exit_code, write_verify_report
 from crosscheck.launch.devices import resolve_torch_device
 from crosscheck.launch.external import LauncherError, jax_multihost, torch_launch
-from crosscheck.verification.verifier import DEFAULT_LAYOUTS, VerifyReport, verify
+from crosscheck.verification.verifier import DEFAULT_LAYOUTS, verify
 
 
 def default_accum(world_size: int) -> list[int]:
@@ -100,24 +100,10 @@ def launched_verify(args: argparse.Namespace, console: Console) -> int | None:
         except ValueError as error:  # alike on every rank, before the step ran
             return job.agree(_refuse(console, rank, str(error)))
         if rank == 0:  # before the agreement: a launcher may stop the ranks once one exits
-            _print(console, report, args, time.perf_counter() - started, world_size)
+            wall = time.perf_counter() - started
+            figures = f"{world_size} launched ranks   wall {wall:.1f} s"
+            extra = {"wall_time_s": wall, "launched_world_size": world_size}
+            write_verify_report(console, report, args, figures, extra)
         return job.agree(verify_exit_code(report))
     finally:
         job.close()
-
-
-def _print(
-    console: Console, report: VerifyReport, args: argparse.Namespace, wall: float, ranks: int
-) -> None:
-    """What `verify` prints and writes, from rank 0, with the launcher's world size."""
-    import json
-
-    print_verify_table(console, report)
-    console.print(report.message(), markup=False, highlight=False)
-    console.print(f"{'OK' if report.ok else 'FAIL'}   {ranks} launched ranks   wall {wall:.1f} s")
-    if args.json is not None:
-        record = report.to_json()
-        record["wall_time_s"] = wall
-        record["launched_world_size"] = ranks
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")

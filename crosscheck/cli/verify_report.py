@@ -98,6 +98,24 @@ def print_verify_table(console: Console, report: VerifyReport) -> None:
     console.print(fitted(console, verify_table(report), lambda: compact_verify_table(report)))
 
 
+def write_verify_report(
+    console: Console,
+    report: VerifyReport,
+    args: argparse.Namespace,
+    figures: str,
+    record_extra: dict[str, float | int],
+) -> None:
+    """The table, the message and the verdict line ending in `figures`; with ``--json``, the
+    report's JSON and `record_extra` beside it (a launched run's as its own)."""
+    print_verify_table(console, report)
+    console.print(report.message(), markup=False, highlight=False)
+    console.print(f"{'OK' if report.ok else 'FAIL'}   {figures}")
+    if args.json is not None:
+        record = {**report.to_json(), **record_extra}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+
+
 def verify_exit_code(report: VerifyReport) -> int:
     """OK, MISMATCH (some case diagnosed as not matching) or STEP_FAILED (no case mismatched,
     some could not be run or read); see `crosscheck.exit_codes`."""
@@ -134,15 +152,9 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
         # One line, whatever the terminal's width: soft_wrap leaves the wrapping to it.
         console.print(f"[red]crosscheck verify: {escape(str(error))}[/]", soft_wrap=True)
         return exit_codes.SETUP_ERROR
-    print_verify_table(console, report)
-    console.print(report.message(), markup=False, highlight=False)
     wall = time.perf_counter() - started
     cpu = cpu_seconds()
-    console.print(f"{'OK' if report.ok else 'FAIL'}   {time_figures(wall, cpu)}")
-    if args.json is not None:
-        record = report.to_json()
-        record["wall_time_s"] = wall
-        record["cpu_s"] = cpu
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    write_verify_report(
+        console, report, args, time_figures(wall, cpu), {"wall_time_s": wall, "cpu_s": cpu}
+    )
     return verify_exit_code(report)
