@@ -71,14 +71,18 @@ def test_every_path_of_every_setup_is_timed_with_finite_positive_numbers(report)
                 value,
             )
         assert row["min_s"] <= row["median_s"] <= row["max_s"], row
+        low, high = row["ratio_ci95"]
+        assert low <= row["ratio_to_naive"] <= high, row
         if row["path"] == "naive":
             assert row["ratio_to_naive"] == 1.0  # each round's naive over itself
+            assert row["ratio_ci95"] == [1.0, 1.0]
 
 
 def test_the_report_names_the_machine_the_config_and_how_it_measured(report):
     machine, config = report["machine"], report["config"]
     assert {"cpu_model", "cores", "torch", "jax", "python"} <= set(machine)
-    assert config["quick"] is True and config["accum"] == 2 and config["rounds"] >= 1
+    assert config["quick"] is True and config["accum"] == 2
+    assert config["rounds"] >= 1 and config["torch_rounds"] >= 1
     assert set(report["memory_method"]) == {"torch", "jax"}
     assert report["errors"] == {}
 
@@ -133,6 +137,27 @@ def test_the_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians():
         summarize({"naive": [1.0, float("nan")], "fused": [1.0, 1.0]})
     with pytest.raises(ValueError, match="same, nonzero number of rounds"):
         summarize({"naive": [1.0, 1.0], "fused": [1.0]})
+
+
+def test_the_ratio_comes_with_a_bootstrap_interval_that_narrows_with_more_rounds():
+    # Per-round ratios scattering by 10% around 1.01, as torch's do on 2 cores.
+    rng = np.random.default_rng(1)
+
+    def interval(rounds: int) -> tuple[float, list[float]]:
+        naive = rng.uniform(0.030, 0.040, rounds)
+        fused = naive * rng.normal(1.01, 0.1, rounds)
+        summary = summarize({"naive": list(naive), "fused": list(fused)})["fused"]
+        return summary["ratio_to_naive"], summary["ratio_ci95"]
+
+    ratio, (low, high) = interval(100)
+    assert low < ratio < high and low > 0.95 and high < 1.07
+    _, (low_many, high_many) = interval(3000)
+    assert high_many - low_many < (high - low) / 3  # sqrt(30) ~ 5.5x narrower
+    assert low_many < 1.01 < high_many
+    # The same times give the same interval (seeded), and a path with one round its own.
+    times = {"naive": [1.0, 2.0, 3.0], "fused": [1.1, 2.0, 3.3]}
+    assert summarize(times)["fused"]["ratio_ci95"] == summarize(times)["fused"]["ratio_ci95"]
+    assert summarize({"naive": [1.0], "fused": [1.5]})["fused"]["ratio_ci95"] == [1.5, 1.5]
 
 
 def _references() -> dict[str, dict[str, np.ndarray]]:

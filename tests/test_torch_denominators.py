@@ -36,6 +36,7 @@ from crosscheck.judge.compare import BFLOAT16_RTOL
 from crosscheck.run.torch_runner import run_resume
 from torch_impl.batch import BATCH_KEYS, rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
+from torch_impl.division import divide_exactly
 from torch_impl.harness.cases import CaseOutput, UpdateCase, run_cases
 from torch_impl.harness.launcher import launch
 from torch_impl.mean_loss import accumulate_mean_loss
@@ -43,7 +44,7 @@ from torch_impl.model import BilinearLM, numpy_grads
 from torch_impl.optimizers import OptimizerSpec
 from torch_impl.schemes import microbatch_loss, token_losses, weighted_mean
 from torch_impl.schemes import token_mean as torch_token_mean
-from torch_impl.update import accumulate_postnorm, divide_exactly
+from torch_impl.update import accumulate_postnorm
 
 WORLD_SIZE = 2
 #: Each launch must finish within this: the whole module's cases take a few seconds.

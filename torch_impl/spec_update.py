@@ -43,6 +43,7 @@ from torch import nn
 
 from torch_impl.batch import TokenBatch
 from torch_impl.comm_hooks import PostnormState
+from torch_impl.division import divide_all_exactly
 from torch_impl.exact_carry import all_ranks_values
 from torch_impl.guards import PRECHECK_TIMEOUT_S, precheck
 from torch_impl.partial import starting_point
@@ -54,7 +55,7 @@ from torch_impl.schemes import (
 )
 from torch_impl.spec import SchemeSpec, get_spec
 from torch_impl.spec_counts import IdBounds, Position, SpecView
-from torch_impl.update import backward_microbatches, divide_exactly, over_or_zero
+from torch_impl.update import backward_microbatches, over_or_zero
 
 #: How long a pre-pass collective waits for every rank (a rank that failed or hangs).
 COUNT_TIMEOUT_S = PRECHECK_TIMEOUT_S
@@ -259,9 +260,8 @@ def accumulate_spec_postnorm(
     per_rank = hook_state.take()
     D = global_denominator(scheme, [d for d, _, _ in per_rank])
     with torch.no_grad():
-        for param in model.parameters():
-            if param.requires_grad and param.grad is not None:
-                divide_exactly(param.grad, D)
+        grads = (p.grad for p in model.parameters() if p.requires_grad and p.grad is not None)
+        divide_all_exactly(grads, D)
     loss_sums = tuple(loss for _, loss, _ in per_rank)
     return SpecAccumulated(
         spec=spec.name,

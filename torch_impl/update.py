@@ -55,6 +55,7 @@ from torch import nn
 
 from torch_impl.batch import TokenBatch
 from torch_impl.comm_hooks import PostnormState
+from torch_impl.division import divide_all_exactly
 from torch_impl.exact_carry import all_ranks_values
 from torch_impl.guards import (
     PRECHECK_TIMEOUT_S,
@@ -69,7 +70,6 @@ from torch_impl.partial import PartialAccumulation, ResumeMismatchError, Strateg
 from torch_impl.schemes import (
     PerTokenLosses,
     WeightingScheme,
-    accumulation_dtype,
     bilinear_token_losses,
     global_denominator,
     microbatch_loss,
@@ -272,39 +272,13 @@ def accumulate_postnorm(
     denominators = tuple(d for d, _, _ in per_rank)
     D = global_denominator(scheme, list(denominators))
     with torch.no_grad():
-        for param in _parameters(model):
-            if param.grad is not None:
-                divide_exactly(param.grad, D)
+        divide_all_exactly((p.grad for p in _parameters(model) if p.grad is not None), D)
     return Accumulated(
         rank_valid_tokens=tuple(int(n) for _, _, n in per_rank),
         rank_loss_sums=tuple(s for _, s, _ in per_rank),
         rank_denominators=denominators,
         global_denominator=D,
     )
-
-
-def divide_exactly(grad: torch.Tensor, D: float) -> None:
-    """grad <- grad / D, the quotient taken in ``accumulation_dtype`` and then cast, in place.
-
-    Not ``grad.div_(D)``: for a float32 gradient torch casts the Python scalar D to float32
-    first, so an odd D past 2^24 (dedup-seed's 25165513) would divide as 25165512 (about
-    half the entries of its gradient come out different), and a bf16 gradient fares no
-    better. Here the exact float64 D divides the upcast gradient (one float64 rounding, and
-    dividing rather than multiplying by 1/D keeps it one) and only the quotient is cast to the
-    gradient's dtype. D = 0: every a_t was 0 and the sums are exact zeros; zero them, never
-    0/0. A float32 gradient whose D is a float32 (every count below 2^24) divides in place:
-    one correctly rounded division, where the detour rounds twice and copies (docs/bench.md).
-    """
-    if not D:
-        grad.zero_()
-        return
-    acc = accumulation_dtype(grad.device)
-    mantissa, exponent = math.frexp(D)  # a normal float32: 24-bit significand, in range
-    in_float32 = -125 <= exponent <= 128 and (mantissa * 2**24).is_integer()
-    if grad.dtype == acc or (grad.dtype == torch.float32 and in_float32):
-        grad.div_(D)  # D is exact in grad's dtype: not rounded, and no copy is needed
-    else:
-        grad.copy_(grad.to(acc).div_(D))
 
 
 def accumulate_partial(

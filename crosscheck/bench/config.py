@@ -24,16 +24,25 @@ DEVICES = ("cpu", "cuda")
 class BenchConfig:
     """Sizes and counts of one bench run (`quick` is what the test suite runs)."""
 
-    # B x T x M: 4 x 128 x 2 tokens per rank and update, a step of tens of milliseconds per
-    # rank on one CPU core, so that the whole bench stays near a minute on two idle cores.
+    # B x T x M: 4 x 128 x 4 = 2048 tokens per rank and update, a step of 65 ms per rank on
+    # one CPU core. What fused postnorm adds in torch is per update and per gradient byte,
+    # not per token: about 0.7 ms of CPU per rank here (a copy of the bucket to carry the
+    # count, a Python comm hook, one division of the gradient; docs/bench.md), 2.4% of a
+    # step of 1024 tokens (M = 2), 1 to 1.5% of one of 2048. A training step's thousands of
+    # tokens per rank and update are closer to the second.
     rows: int = 4  # B: rows per microbatch per rank
     seq_len: int = 128  # T: tokens per row (the transformer's max_positions)
-    accum: int = 2  # M: microbatches per update
+    accum: int = 4  # M: microbatches per update
     warmup: int = 3  # untimed rounds first: allocator, caches, JAX dispatch warm up
     #: Timed rounds; each runs every path once, in turn. One round's ratio t_path / t_naive
     #: scatters by about 10% on a 2-core machine, so the median of 20 moved by 2-3% from run
-    #: to run, as much as the 2% the fused path is allowed; 100 bring that to about 1%.
+    #: to run, as much as the 2% the fused path is allowed; 100 bring that to about 1% (JAX:
+    #: a 95% interval of +-0.6% on 8 devices, +-1.5% on 2).
     rounds: int = 100
+    #: torch's rounds: its per-round ratio scatters more (gloo's loopback TCP between two
+    #: rank processes on two cores): at M = 2 the median of 100 moved by 2% from run to run,
+    #: its 95% interval +-2%; 300 gave +-1.3%. At M = 4, 200 give about +-0.8% in 40 s.
+    torch_rounds: int = 200
     torch_ranks: int = 2
     jax_world_sizes: tuple[int, ...] = (2, 8)
     device: str = "cpu"
@@ -44,7 +53,7 @@ class BenchConfig:
     quick: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("rows", "seq_len", "accum", "rounds", "torch_ranks"):
+        for name in ("rows", "seq_len", "accum", "rounds", "torch_rounds", "torch_ranks"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"bench config: {name} must be >= 1, got {value}")
@@ -60,7 +69,9 @@ class BenchConfig:
     def quickly(self) -> BenchConfig:
         """The same bench in a few seconds: checks that it runs, says little about speed."""
         # No warm-up round: the gradient check before the timing has run every path once.
-        return dataclasses.replace(self, warmup=0, rounds=3, rows=1, seq_len=64, quick=True)
+        return dataclasses.replace(
+            self, warmup=0, rounds=3, torch_rounds=3, rows=1, seq_len=64, accum=2, quick=True
+        )
 
     def record(self) -> dict:
         """The config as the JSON report holds it."""

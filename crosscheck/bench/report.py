@@ -48,7 +48,9 @@ def _setup_rows(framework: str, setup: str, world_size: int, out: dict) -> list[
     cpu = summarize(out["cpu_times"]) if out["cpu_times"] else {}
     rows = []
     for path in ("naive", "precount", "fused"):
-        numbers = summary.get(path, dict.fromkeys(("median_s", "min_s", "max_s", "ratio_to_naive")))
+        numbers = summary.get(
+            path, dict.fromkeys(("median_s", "min_s", "max_s", "ratio_to_naive", "ratio_ci95"))
+        )
         cpu_numbers = cpu.get(path, {})
         rows.append(
             {
@@ -117,7 +119,7 @@ def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) 
     table = Table(
         title=f"step time of one update (R ranks x M={config.accum} microbatches of "
         f"{config.rows} x {config.seq_len} tokens per rank, float32; "
-        f"{config.rounds} rounds after {config.warmup} warm-up)"
+        f"{config.rounds} rounds, torch {config.torch_rounds}, after {config.warmup} warm-up)"
     )
     columns = ("median", "min", "max", "vs naive", "cpu", "cpu vs naive", "peak mem")
     for column in ("framework", "setup", "path", *columns):
@@ -163,16 +165,18 @@ def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) 
 
 
 def acceptance_lines(rows: list[dict]) -> list[str]:
-    """fused / naive per setup against the 2% budget (a line per setup)."""
+    """fused / naive per setup against the 2% budget (a line per setup), with the ratio's
+    95% interval: a median within the budget whose interval reaches past it is said so."""
     lines = []
     for row in rows:
         if row["path"] != "fused" or row["ratio_to_naive"] is None:
             continue
         ok = row["ratio_to_naive"] <= FUSED_BUDGET
         verdict = "[green]within[/]" if ok else "[yellow]over[/]"
+        low, high = row["ratio_ci95"]
         lines.append(
             f"fused / naive, {row['framework']} {row['setup']}: {row['ratio_to_naive']:.3f} "
-            f"({verdict} {FUSED_BUDGET})"
+            f"(95% interval {low:.3f} to {high:.3f}; {verdict} {FUSED_BUDGET})"
         )
     return lines
 

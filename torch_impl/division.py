@@ -1,0 +1,69 @@
+"""Dividing a gradient by the global denominator D without rounding D.
+
+postnorm backpropagates the unnormalized sum and divides by D once every rank's d is known
+(``torch_impl.update.accumulate_postnorm``, ``torch_impl.spec_update``): G / D, one
+correctly rounded quotient per entry, with D the exact float64 sum of the ranks' d.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from torch_impl.schemes import accumulation_dtype
+
+
+def divide_exactly(grad: torch.Tensor, D: float) -> None:
+    """grad <- grad / D, the quotient taken in ``accumulation_dtype`` and then cast, in place.
+
+    Not ``grad.div_(D)``: for a float32 gradient torch casts the Python scalar D to float32
+    first, so an odd D past 2^24 (dedup-seed's 25165513) would divide as 25165512 (about
+    half the entries of its gradient come out different), and a bf16 gradient fares no
+    better. Here the exact float64 D divides the upcast gradient (one float64 rounding, and
+    dividing rather than multiplying by 1/D keeps it one) and only the quotient is cast to the
+    gradient's dtype. D = 0: every a_t was 0 and the sums are exact zeros; zero them, never
+    0/0. A float32 gradient whose D is a float32 (every count below 2^24) divides in place:
+    one correctly rounded division, where the detour rounds twice and copies (docs/bench.md).
+    """
+    if not D:
+        grad.zero_()
+        return
+    if _divides_in_place(grad, D):
+        grad.div_(D)  # D is exact in grad's dtype: not rounded, and no copy is needed
+    else:
+        grad.copy_(grad.to(accumulation_dtype(grad.device)).div_(D))
+
+
+def _divides_in_place(grad: torch.Tensor, D: float) -> bool:
+    """Whether grad / D, taken in grad's own dtype, is the correctly rounded quotient of the
+    exact float64 D: grad is in the accumulation dtype, or float32 with D a float32."""
+    if grad.dtype == accumulation_dtype(grad.device):
+        return True
+    mantissa, exponent = math.frexp(D)  # a normal float32: 24-bit significand, in range
+    return (
+        grad.dtype == torch.float32 and -125 <= exponent <= 128 and (mantissa * 2**24).is_integer()
+    )
+
+
+def divide_all_exactly(grads: Iterable[torch.Tensor], D: float) -> None:
+    """`divide_exactly` of every tensor of `grads` by D, those that divide in place in one call.
+
+    ``torch._foreach_div_`` divides each tensor by the same Python scalar D as ``div_`` does
+    (on the CPU it is that very loop in C++), so the quotients are the same bits; what it saves
+    is a Python call per parameter (about 40 us for the small transformer's 21 tensors, a
+    tenth of a percent of its step: ``crosscheck bench``).
+    """
+    grads = list(grads)
+    if not D:
+        for grad in grads:
+            grad.zero_()
+        return
+    in_place, detour = [], []
+    for grad in grads:
+        (in_place if _divides_in_place(grad, D) else detour).append(grad)
+    if in_place:
+        torch._foreach_div_(in_place, D)
+    for grad in detour:
+        divide_exactly(grad, D)
