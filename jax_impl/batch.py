@@ -179,9 +179,10 @@ def lay_out_global_batch(
     )
 
 
-def rank_slice(laid_out: Microbatch, rank: int) -> Microbatch:
-    """Rank `rank`'s [1, M, B, T] block of an [R, M, B, T] batch (a multi-process shard)."""
+def rank_slice(laid_out: Microbatch, rank: int, count: int = 1) -> Microbatch:
+    """Ranks rank .. rank + count - 1's [count, M, B, T] block of an [R, M, B, T] batch (a
+    multi-process shard: the ranks of one process's devices)."""
     world_size = np.shape(laid_out.targets)[0]
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside [0, {world_size})")
-    return Microbatch(*(np.asarray(x)[rank : rank + 1] for x in laid_out))
+    if count < 1 or not 0 <= rank <= rank + count - 1 < world_size:
+        raise ValueError(f"ranks {rank} to {rank + count - 1} are outside [0, {world_size})")
+    return Microbatch(*(np.asarray(x)[rank : rank + count] for x in laid_out))

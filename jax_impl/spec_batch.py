@@ -152,6 +152,7 @@ def _id_space(key: str, needed: int, given: int | None) -> int:
     return int(given)
 
 
-def spec_rank_slice(batch: SpecBatch, rank: int) -> SpecBatch:
-    """Rank `rank`'s [1, M, ...] block (what one process of a multi-process run places)."""
-    return jax.tree.map(lambda x: np.asarray(x)[rank : rank + 1], batch)
+def spec_rank_slice(batch: SpecBatch, rank: int, count: int = 1) -> SpecBatch:
+    """Ranks rank .. rank + count - 1's [count, M, ...] block (what one process of a
+    multi-process run places: the ranks of its devices)."""
+    return jax.tree.map(lambda x: np.asarray(x)[rank : rank + count], batch)

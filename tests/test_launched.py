@@ -1,12 +1,13 @@
 """`crosscheck verify` and `run` under an existing launcher, and the device choice (docs/gpu.md).
 
 Real launches on the CPU: ``torchrun`` (torch's ``torch.distributed.run``, two ranks on gloo)
-and a two-process ``jax.distributed`` job (gloo collectives, one CPU device per process), each
-process running ``python -m crosscheck verify ... --json`` (or ``run``). The five launches (a
-passing and a failing step in each framework, and `crosscheck run`'s torch rows under
-torchrun) start at once in one module fixture: most of their time is start-up and waiting on
-peers, not CPU. Every wait is bounded and every launch is a session of its own, killed whole
-if it outlives its bound, so nothing is left running.
+and two-process ``jax.distributed`` jobs (gloo collectives, one CPU device per process, or
+two), each process running ``python -m crosscheck verify ... --json`` (or ``run``). The seven
+launches (a passing and a failing step in each framework, `crosscheck run`'s torch rows under
+torchrun, its jax-multiprocess rows in a JAX job at R = 2 and 4) start at once in one module
+fixture: most of their time is start-up and waiting on peers, not CPU. Every wait is bounded
+and every launch is a session of its own, killed whole if it outlives its bound, so nothing
+is left running.
 
 Where no GPU is (here), ``--device cuda`` must be refused with exit 2 and a message naming
 what is missing; the choice ``auto`` makes is checked with the GPU count given.
@@ -46,6 +47,8 @@ from jax_impl.harness.multiprocess import worker_env
 LAUNCH_TIMEOUT_S = 300
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 VERIFY = ["-m", "crosscheck", "verify", "--scheme", "token_mean", "--timeout", "120"]
+JAX_RUN = [sys.executable, "-m", "crosscheck", "run", "--fixture", "packed"]
+JAX_RUN += ["--schemes", "token_mean,sequence_mean,rank_mean", "--accum", "1,2"]
 
 
 @dataclass
@@ -121,6 +124,22 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Finishe
                 command += ["--num-processes", "2", "--process-id", str(process_id)]
                 env = worker_env(_env())  # one CPU device per process, JAX on the CPU
                 started[name].append((_start(command, env, log), log, report))
+        # The matrix's jax-multiprocess rows in a two-process job: one CPU device per process
+        # (R = 2), and two each (R = 4: a process holds two consecutive ranks).
+        for name, devices in (("jax-run", 1), ("jax-run-4", 2)):
+            reservation = reserve_port()
+            reservations.append(reservation)
+            started[name] = []
+            for process_id in range(2):
+                report, log = tmp / f"{name}-{process_id}.json", tmp / f"{name}-{process_id}.log"
+                command = [*JAX_RUN, "--json", str(report)]
+                command += ["--coordinator", f"127.0.0.1:{reservation.port}"]
+                command += ["--num-processes", "2", "--process-id", str(process_id)]
+                env = worker_env(_env())
+                env["XLA_FLAGS"] = env["XLA_FLAGS"].replace(
+                    "device_count=1", f"device_count={devices}"
+                )
+                started[name].append((_start(command, env, log), log, report))
         return {name: [_finish(*entry) for entry in entries] for name, entries in started.items()}
     finally:
         for reservation in reservations:
@@ -194,6 +213,41 @@ def test_a_multi_host_jax_job_names_a_failing_step_on_every_process(launched: di
     codes = [run.returncode for run in launched["jax-fail"]]
     assert codes == [exit_codes.MISMATCH] * 2, launched["jax-fail"][0].output[-3000:]
     assert launched["jax-fail"][0].report["diagnosis"]["best_match"] == "microbatch-mean"
+
+
+@pytest.mark.parametrize(("name", "world_size"), [("jax-run", 2), ("jax-run-4", 4)])
+def test_a_multi_host_jax_job_runs_the_matrix_jax_rows_in_its_own_processes(
+    launched: dict, name: str, world_size: int
+) -> None:
+    first, second = launched[name]
+    assert [first.returncode, second.returncode] == [exit_codes.OK] * 2, first.output[-3000:]
+    assert first.report["ok"] is True and first.report["plan"]["world_sizes"] == [world_size]
+    rows = [row for row in first.report["results"] if row["impl"] == "jax-multiprocess"]
+    # The intended schemes by both strategies at M = 1, 2 (jax-multiprocess runs no accident).
+    assert sorted((r["scheme"], r["strategy"], r["accum_steps"]) for r in rows) == [
+        (scheme, strategy, M)
+        for scheme in ("sequence_mean", "token_mean")
+        for strategy in ("postnorm", "precount")
+        for M in (1, 2)
+    ]
+    # float64 tolerance 1e-12, every rank's metrics there (each process sent its own ranks').
+    assert all(r["world_size"] == world_size and r["ok"] for r in rows), rows
+    assert all(r["max_rel_err"] < 1e-12 for r in rows)
+    assert any(r["impl"] == "oracle" for r in first.report["results"])
+    assert first.output.count("rows, 0 failed") == 1
+    assert second.report == {} and "rows, 0 failed" not in second.output
+
+
+def test_a_multi_host_jax_run_refuses_what_it_cannot_run_before_joining(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    job = ["run", "--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "0"]
+    out = _refusal([*job, "--impls", "oracle,jax-pmap"], capsys)
+    assert "only the oracle and jax-multiprocess run (not jax-pmap)" in out
+    out = _refusal([*job, "--dtypes", "float32"], capsys)
+    assert "--dtypes float32: a multi-host JAX job runs float64 only" in out
+    out = _refusal(["run", "--coordinator", "127.0.0.1:9", "--num-processes", "2"], capsys)
+    assert "missing: JAX_PROCESS_ID" in out
 
 
 # ---- the environment a launcher leaves, read without joining anything ------------------------

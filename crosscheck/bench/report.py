@@ -165,8 +165,8 @@ def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) 
 
 
 def acceptance_lines(rows: list[dict]) -> list[str]:
-    """fused / naive per setup against the 2% budget (a line per setup), with the ratio's
-    95% interval: a median within the budget whose interval reaches past it is said so."""
+    """fused / naive per setup against the 2% budget (a line per setup), the ratio's 95%
+    interval beside it: an interval reaching past the budget says the run cannot tell."""
     lines = []
     for row in rows:
         if row["path"] != "fused" or row["ratio_to_naive"] is None:

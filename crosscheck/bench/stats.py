@@ -9,8 +9,9 @@ keep it.
 
 The noise of one round's ratio on a 2-core machine is mostly the round's own (gloo's
 loopback TCP and its threads sharing the cores with the ranks: about 8% per step time,
-hardly correlated between the paths of a round), so the median of n rounds still moves by
-about 1.4 * 11% / sqrt(n) from run to run. The report gives that uncertainty with the ratio:
+hardly correlated between the paths of a round, so a ratio scatters by about 11%), and the
+median of n rounds still moves by about 1.25 x 11% / sqrt(n) from run to run: 1.4% at
+n = 100. The report gives that uncertainty with the ratio:
 `ratio_ci95`, a percentile bootstrap of the median of ratios (resampling rounds, seeded, so
 the same times give the same interval).
 """

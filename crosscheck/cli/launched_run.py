@@ -1,16 +1,27 @@
-"""`crosscheck run` under torchrun: the torch rows at the launcher's world size, in its ranks.
+"""`crosscheck run` under an existing launcher: torchrun, or a multi-host JAX start.
 
 ``torchrun --nproc-per-node N -m crosscheck run --impls oracle,torch-ddp`` starts N copies of
 the command. Each joins the launcher's process group (`torch_impl.harness.in_place`) and runs
 the matrix of the oracle and the torch implementations at R = N only: the torch launch of
-that world size then runs in the ranks themselves instead of starting processes. The
-world-size-change, resume, objective and trainer-mode rows are off (they launch other world
-sizes, or a process group of their own). Rank 0 prints the report and writes ``--json``,
-``--log`` and ``--plot``; every rank exits with rank 0's status. JAX implementations are
-refused here: a JAX run under torchrun would start its own workers on every rank.
+that world size then runs in the ranks themselves instead of starting processes. JAX
+implementations are refused there: a JAX run under torchrun would start its own workers on
+every rank.
 
-`launched_run` returns None when no torch launcher started this process, or when it already
-joined (the matrix itself then runs).
+``crosscheck run --coordinator HOST:PORT --num-processes P --process-id I`` (or
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``), once per host, joins
+that ``jax.distributed`` job (`crosscheck.verification.jax_launched.LaunchedJaxJob`: x64,
+the platform JAX finds or ``--platform``) and runs the oracle and ``jax-multiprocess`` rows
+at R = the job's device count, every process holding its own devices' ranks: the
+multi-process launch then runs in the job's processes (`jax_impl.harness.in_place`). float64
+only (x64 is set once, for the whole job); the in-process front-ends and torch are refused
+(they would start workers of their own on every host). The trainer modes run there (the
+multi-process spec sweep holds them), not under torchrun.
+
+In both, the world-size-change, resume and objective rows are off (they launch other world
+sizes, or processes of their own), rank (process) 0 prints the report and writes ``--json``,
+``--log`` and ``--plot``, and every process exits with rank 0's status. `launched_run`
+returns None when no launcher started this process, or when it already joined (the matrix
+itself then runs).
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from rich.console import Console
 
 from crosscheck.cli.outputs import refuse
 from crosscheck.launch.devices import resolve_torch_device
-from crosscheck.launch.external import LauncherError, torch_launch
+from crosscheck.launch.external import JaxMultiHost, LauncherError, jax_multihost, torch_launch
 from crosscheck.run.implementations import IMPLEMENTATIONS
 
 #: The collective timeout of the launcher's process group: a rank whose peer raised waits at
@@ -34,11 +45,20 @@ COLLECTIVE_TIMEOUT_S = 60.0
 def launched_run(
     args: argparse.Namespace, console: Console, run: Callable[[argparse.Namespace, Console], int]
 ) -> int | None:
-    """Run `run` as one rank of a torch launcher's job; None when there is none to join."""
+    """Run `run` as one rank of a launcher's job; None when there is none to join."""
     try:
         place = torch_launch()
+        multihost = jax_multihost(args.coordinator, args.num_processes, args.process_id)
     except LauncherError as error:
         return refuse(console, f"crosscheck run: {error}")
+    if place is not None and multihost is not None:
+        return refuse(
+            console,
+            "crosscheck run: started by torchrun and given a multi-host JAX job at once; "
+            "run the torch rows under torchrun and the JAX rows in the JAX job, separately",
+        )
+    if multihost is not None:
+        return _launched_jax_run(args, console, run, multihost)
     if place is None:
         return None
     # Only now: a run that no launcher started never imports torch here.
@@ -80,3 +100,56 @@ def launched_run(
         return int(in_place.agree(run(mine, say)))
     finally:
         in_place.leave()
+
+
+def _launched_jax_run(
+    args: argparse.Namespace,
+    console: Console,
+    run: Callable[[argparse.Namespace, Console], int],
+    multihost: JaxMultiHost,
+) -> int | None:
+    """`run` as one process of a multi-host JAX job; None when this process already joined."""
+    from jax_impl.harness.multiprocess import joined_job
+
+    if joined_job():
+        return None
+    say = console if multihost.process_id == 0 else Console(quiet=True)
+    impls = args.impls or ["oracle", "jax-multiprocess"]
+    others = [impl for impl in impls if impl not in ("oracle", "jax-multiprocess")]
+    if others:
+        return refuse(
+            say,
+            f"crosscheck run: in a multi-host JAX job only the oracle and jax-multiprocess run "
+            f"(not {', '.join(others)}); pass --impls oracle,jax-multiprocess",
+        )
+    if args.dtypes not in (None, ["float64"]):
+        return refuse(
+            say,
+            f"crosscheck run: --dtypes {','.join(args.dtypes)}: a multi-host JAX job runs "
+            "float64 only (x64 is set once, for the whole job)",
+        )
+    from crosscheck.run.jax_runner import WORKER_TIMEOUT_S
+    from crosscheck.verification.jax_launched import LaunchedJaxJob
+
+    job = LaunchedJaxJob(multihost, args.platform, WORKER_TIMEOUT_S, command="crosscheck run")
+    try:
+        world_size = job.join()
+        if args.world_sizes is not None and set(args.world_sizes) != {world_size}:
+            return job.agree(
+                refuse(
+                    say,
+                    f"crosscheck run: --world-sizes {','.join(map(str, args.world_sizes))}: "
+                    f"the JAX job has {world_size} devices, the only world size here",
+                )
+            )
+        mine = argparse.Namespace(**vars(args))
+        mine.impls, mine.world_sizes = impls, [world_size]
+        mine.no_world_size_change = mine.no_resume = mine.no_objectives = True
+        # The job's backend is already up (`job.join`); the run starts no JAX worker whose
+        # platform it would probe or set.
+        mine.platform = None
+        if multihost.process_id != 0:
+            mine.json = mine.log = mine.plot = None
+        return job.agree(run(mine, say))
+    finally:
+        job.close()

@@ -117,6 +117,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         "--timings", action="store_true", help="also print when each job (process group) ran"
     )
     _add_placement(run)
+    _add_multihost(run)
 
 
 def _add_bugs(commands: argparse._SubParsersAction) -> None:
@@ -206,10 +207,14 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
     )
     verify.add_argument("--json", type=Path, help="write the report as JSON here")
     _add_placement(verify)
-    # A multi-host JAX start (crosscheck.launch.external; JAX_COORDINATOR_ADDRESS & co. too).
-    verify.add_argument("--coordinator", help="multi-host JAX: the coordinator's HOST:PORT")
-    verify.add_argument("--num-processes", type=int, help="multi-host JAX: how many processes")
-    verify.add_argument("--process-id", type=int, help="multi-host JAX: this process's id")
+    _add_multihost(verify)
+
+
+def _add_multihost(command: argparse.ArgumentParser) -> None:
+    """A multi-host JAX start (crosscheck.launch.external; JAX_COORDINATOR_ADDRESS & co. too)."""
+    command.add_argument("--coordinator", help="multi-host JAX: the coordinator's HOST:PORT")
+    command.add_argument("--num-processes", type=int, help="multi-host JAX: how many processes")
+    command.add_argument("--process-id", type=int, help="multi-host JAX: this process's id")
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:

@@ -13,6 +13,7 @@ process group when its launch ends.
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -94,26 +95,26 @@ def _run_in_process(
 
 
 def _multiprocess_output(
-    case: Case, per_process: list[dict], index: int, n: int, label: str
+    case: Case, per_rank: list[dict], index: int, n: int, label: str
 ) -> CaseOutput:
     variant = "precount-pmean" if case.strategy == "precount" else "postnorm-psum"
     key = f"{index}/{case.dtype}/{variant}/{label}"
-    first = per_process[0]
+    first = per_rank[0]
     metrics = []
     for update in range(n):
-        for process in per_process:
+        for record in per_rank:
             prefix = f"{key}/{update}"
-            rank = int(process["rank"])
+            rank = int(record["rank"])
             metrics.append(
                 RankMetrics(
                     rank=rank,
                     update=update,
-                    valid_tokens=int(np.ravel(process[f"{prefix}/rank_valid_tokens"])[0]),
-                    loss_sum=float(np.ravel(process[f"{prefix}/rank_loss_sums"])[0]),
-                    denominator=float(process[f"{prefix}/global_denominator"]),
-                    objective=float(process[f"{prefix}/loss"]),
-                    grad_norm=float(process[f"{prefix}/grad_norm"]),
-                    clipped_grad_norm=float(process[f"{prefix}/clipped_grad_norm"]),
+                    valid_tokens=int(np.ravel(record[f"{prefix}/rank_valid_tokens"])[0]),
+                    loss_sum=float(np.ravel(record[f"{prefix}/rank_loss_sums"])[0]),
+                    denominator=float(record[f"{prefix}/global_denominator"]),
+                    objective=float(record[f"{prefix}/loss"]),
+                    grad_norm=float(record[f"{prefix}/grad_norm"]),
+                    clipped_grad_norm=float(record[f"{prefix}/clipped_grad_norm"]),
                 )
             )
 
@@ -128,8 +129,10 @@ def _multiprocess_output(
 def _run_multiprocess(
     cases: list[Case], settings: TrainSettings, on_done: OnDone, world_size: int, dtype: str
 ) -> None:
-    """One launch of `world_size` processes runs every multi-process case of that size."""
-    from jax_impl.harness.multiprocess import launch_multiprocess
+    """One launch of `world_size` processes runs every multi-process case of that size; in a
+    process of a multi-host job (``crosscheck run --coordinator ...``), the job's processes
+    run them instead, each its own devices' ranks."""
+    from jax_impl.harness.multiprocess import joined_job, launch_multiprocess
 
     batches = sorted({(case.fixture, case.accum_steps) for case in cases})
     spec_names = sorted({case.scheme for case in cases if case.scheme not in V1_SCHEMES})
@@ -157,14 +160,20 @@ def _run_multiprocess(
             "max_grad_norm": settings.max_grad_norm,
         }
         try:
-            per_process = launch_multiprocess(
-                spec,
-                world_size,
-                work / "run",
-                timeout_s=WORKER_TIMEOUT_S,
-                extra_xla_flags=jax_launch().SMALL_PROGRAM_XLA_FLAGS,
-                zygote=worker_zygote(),
-            )
+            if joined_job():
+                from jax_impl.harness.in_place import run_spec_in_place
+
+                # Through JSON as a started worker reads it: the same lists, numbers, keys.
+                per_rank = run_spec_in_place(json.loads(json.dumps(spec)), world_size)
+            else:
+                per_rank = launch_multiprocess(
+                    spec,
+                    world_size,
+                    work / "run",
+                    timeout_s=WORKER_TIMEOUT_S,
+                    extra_xla_flags=jax_launch().SMALL_PROGRAM_XLA_FLAGS,
+                    zygote=worker_zygote(),
+                )
         except Exception as error:
             for case in cases:
                 on_done(case, error)
@@ -175,7 +184,7 @@ def _run_multiprocess(
             label = (
                 case.scheme if case.scheme in V1_SCHEMES else f"spec{spec_names.index(case.scheme)}"
             )
-            output = _multiprocess_output(case, per_process, index, settings.num_updates, label)
+            output = _multiprocess_output(case, per_rank, index, settings.num_updates, label)
         except Exception as error:
             on_done(case, error)
         else:

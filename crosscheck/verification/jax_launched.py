@@ -40,6 +40,8 @@ class LaunchedJaxJob:
     #: JAX finds (a TPU host's TPUs, a GPU host's GPUs, else the CPU).
     platform: str | None
     timeout_s: float
+    #: Who says so when the watchdog ends the process.
+    command: str = "crosscheck verify"
     _joined: bool = field(default=False, init=False)
     _watchdog: threading.Timer | None = field(default=None, init=False)
 
@@ -72,8 +74,8 @@ class LaunchedJaxJob:
 
     def _expire(self) -> None:
         print(
-            f"crosscheck verify: JAX process {self.multihost.process_id}: the step did not "
-            f"finish within {self.timeout_s:g} s (--timeout) + {WATCHDOG_GRACE_S:g} s; ending it",
+            f"{self.command}: JAX process {self.multihost.process_id}: did not finish within "
+            f"{self.timeout_s:g} s + {WATCHDOG_GRACE_S:g} s; ending it",
             file=sys.stderr,
             flush=True,
         )

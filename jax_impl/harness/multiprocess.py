@@ -24,9 +24,15 @@ no d is rounded before the step (`jax_impl.denominators`). It writes what it com
 judged, to ``process<i>.pkl``: per case and update the reduced gradient, the updated params
 and the metrics (per-rank metrics: its own rank's entry only), under keys
 ``"<case>/<dtype>/<strategy>-<collective>/<scheme>/<update>/<field>"``, and its ``rank``, as
-one pickled dict of numpy arrays (bfloat16 values widened to float32, exactly, so that a
-reader needs no bfloat16 type) (thousands of small arrays load far faster from one pickle
-than from as many members of an .npz).
+a pickled list of dicts of numpy arrays, one per rank of the process's devices (one here)
+(bfloat16 values widened to float32, exactly, so that a reader needs no bfloat16 type)
+(thousands of small arrays load far faster from one pickle than from as many members of an
+.npz).
+
+Under an outside launcher (a multi-host start: ``crosscheck run --coordinator ...``), this
+process already belongs to a ``jax.distributed`` job (`joined_job`) whose processes may hold
+several devices each: nothing is launched, each process runs the spec itself
+(`jax_impl.harness.in_place.run_spec_in_place`).
 
 Coordinator port: held by the launcher (`jax_impl.harness.launch.PortReservation`) for the whole
 launch, so concurrent launches never share one; process 0 checks it can bind the port before
@@ -105,7 +111,7 @@ def launch_multiprocess(
     extra_xla_flags: str = "",
     zygote: Zygote | None = None,
 ) -> list[dict[str, np.ndarray]]:
-    """Run `spec` on `num_processes` real processes; return each process's results, in order.
+    """Run `spec` on `num_processes` real processes; return each rank's results, in order.
 
     Raises `jax_impl.harness.launch.LaunchError` when a worker fails (a worker killed by a signal is
     named with the signal, the others are stopped within a second) or `timeout_s` passes; the
@@ -140,8 +146,17 @@ def launch_multiprocess(
                     raise
     outputs = []
     for i in range(num_processes):
-        outputs.append(pickle.loads((work_dir / f"process{i}.pkl").read_bytes()))
+        outputs.extend(pickle.loads((work_dir / f"process{i}.pkl").read_bytes()))
     return outputs
+
+
+def joined_job() -> bool:
+    """Whether this process already joined a ``jax.distributed`` job (started by an outside
+    launcher, one process per host): then the spec runs in the job's processes
+    (`run_spec_in_place`), no launch starts. Imports no JAX: a process that has not imported
+    it has joined nothing."""
+    jax = sys.modules.get("jax")
+    return jax is not None and jax.distributed.is_initialized()
 
 
 def _launch_once(

@@ -7,7 +7,10 @@ The process joins the job with ``jax.distributed`` over gloo (`initialize`), own
 device and one rank of the "data" mesh that spans every process (`global_data_mesh`), runs the
 shard_map step (`jax_impl.shard_map_step`) on its own rank's rows for every case, dtype,
 scheme and variant of the spec, and writes what it computed, nothing judged, to
-``DIR/process<I>.pkl``.
+``DIR/process<I>.pkl``: a list of one dict per rank of its devices (one, as the launcher
+starts it). In a process that already joined a job (a multi-host start),
+`jax_impl.harness.in_place.run_spec_in_place` runs the same spec (`compute_spec`) without
+files and gathers every process's records.
 """
 
 from __future__ import annotations
@@ -138,15 +141,13 @@ def shared_program_count() -> int:
     return len(getattr(getattr(compiler, "_compile_and_share_module", None), "modules_cache", {}))
 
 
-def global_data_mesh() -> tuple[Mesh, int]:
-    """The "data" mesh over every process's device, rank r on process r; and our rank."""
-    if jax.local_device_count() != 1:
-        raise RuntimeError(
-            f"process {jax.process_index()}: expected 1 local device, found "
-            f"{jax.local_device_count()}; do not force a host device count in XLA_FLAGS"
-        )
+def global_data_mesh() -> tuple[Mesh, list[jax.Device]]:
+    """The "data" mesh over every process's devices, process by process, and this process's
+    own devices in rank order: rank r is the r-th device of the mesh, so that a process's ranks
+    are consecutive (one per process where each has one device, as the launcher starts them)."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    return data_mesh(len(devices), devices=devices), devices.index(jax.local_devices()[0])
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    return data_mesh(len(devices), devices=devices), mine
 
 
 def _optimizer(settings: Mapping[str, Any]) -> optax.GradientTransformation:
@@ -159,11 +160,12 @@ def _optimizer(settings: Mapping[str, Any]) -> optax.GradientTransformation:
     raise ValueError(f"spec optimizer: name must be 'adamw' or 'sgd', got {name!r}")
 
 
-def _own(x: jax.Array) -> np.ndarray:
-    """This process's block: the whole value if replicated, its rank's entry if per-rank.
+def _own(x: jax.Array, device: jax.Device) -> np.ndarray:
+    """The block of `x` on `device`: the whole value if replicated, its rank's entry if per-rank.
 
     bfloat16 comes back as float32 (exact: every bfloat16 is a float32)."""
-    value = np.asarray(x.addressable_data(0))
+    (shard,) = [shard for shard in x.addressable_shards if shard.device == device]
+    value = np.asarray(shard.data)
     return value.astype(np.float32) if x.dtype == jnp.bfloat16 else value
 
 
@@ -174,7 +176,7 @@ def _run_schemes(
     batch: Microbatch,
     spec: Mapping[str, Any],
     prefix: str,
-    results: dict[str, np.ndarray],
+    records: Sequence[tuple[jax.Device, dict[str, np.ndarray]]],
     stall_marker: Path | None = None,
     labels: Sequence[tuple[str, str]] = (),
     config_labels: Sequence[str] = (),
@@ -205,16 +207,30 @@ def _run_schemes(
     # Read back only after everything was dispatched: a host sync per update would make every
     # process wait for the slowest peer's compile and collective at each step.
     for key, out in pending:
-        for leaf in ("embed", "unembed"):
-            results[f"{key}/grads.{leaf}"] = _own(out.grads[leaf])
-            results[f"{key}/params.{leaf}"] = _own(out.params[leaf])
-        for field, value in out.metrics._asdict().items():
-            results[f"{key}/{field}"] = _own(value)
+        for device, results in records:
+            for leaf in ("embed", "unembed"):
+                results[f"{key}/grads.{leaf}"] = _own(out.grads[leaf], device)
+                results[f"{key}/params.{leaf}"] = _own(out.params[leaf], device)
+            for field, value in out.metrics._asdict().items():
+                results[f"{key}/{field}"] = _own(value, device)
 
 
 def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
-    """Run every case of `spec` on the global mesh; write this process's results."""
-    mesh, rank = global_data_mesh()
+    """Run every case of `spec` on the global mesh; write this process's records (a list, one
+    dict per rank of its devices) to `out_path`."""
+    stall = (
+        out_path.with_suffix(".stalled")
+        if spec.get("stall_process") == jax.process_index()
+        else None
+    )
+    records = compute_spec(spec, stall)
+    write_atomically(out_path, pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dict[str, Any]]:
+    """Every case of `spec` on the global mesh: a dict per rank of this process's devices."""
+    mesh, devices = global_data_mesh()
+    first_rank = list(mesh.devices.flat).index(devices[0])
     optimizer = _optimizer(spec["optimizer"])
     configs = [
         StepConfig(
@@ -239,12 +255,7 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
     ]  # fmt: skip
     spec_labels = [f"spec{k}" for k in range(len(scheme_specs)) for _ in spec["variants"]]
     spec_sweep = make_shard_map_sweep(spec_configs, mesh) if spec_configs else None
-    results: dict[str, np.ndarray] = {"rank": np.asarray(rank)}
-    stall = (
-        out_path.with_suffix(".stalled")
-        if spec.get("stall_process") == jax.process_index()
-        else None
-    )
+    records = [(device, {"rank": np.asarray(first_rank + i)}) for i, device in enumerate(devices)]
     for case_index, case in enumerate(spec["cases"]):
         with np.load(case["fixture"]) as archive:
             arrays = {key: archive[key] for key in archive.files}
@@ -258,11 +269,11 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
                 weights_dtype=np.dtype(denominator_dtype().name),
             )
             # Each process places only its own rank's rows; the global array spans them all.
-            batch = shard_batch(rank_slice(laid_out, rank), mesh)
+            batch = shard_batch(rank_slice(laid_out, first_rank, len(devices)), mesh)
             params = {key: arrays[key] for key in ("embed", "unembed")}
             params0 = replicate(params_from_numpy(params, dtype), mesh)
             _run_schemes(
-                sweep, configs, params0, batch, spec, f"{case_index}/{dtype}", results, stall
+                sweep, configs, params0, batch, spec, f"{case_index}/{dtype}", records, stall
             )
             if spec_sweep is not None:
                 # Contract v2 (docs/schemes-as-data.md): the same rows with their v2 fields.
@@ -274,14 +285,16 @@ def run_spec(spec: Mapping[str, Any], out_path: Path) -> None:
                     weights_dtype=np.dtype(denominator_dtype().name),
                     **spec.get("spec_id_space", {}),
                 )  # fmt: skip
-                spec_batch = shard_batch(spec_rank_slice(spec_batch, rank), mesh)
+                spec_batch = spec_rank_slice(spec_batch, first_rank, len(devices))
+                spec_batch = shard_batch(spec_batch, mesh)
                 _run_schemes(
                     spec_sweep, spec_configs, params0, spec_batch, spec,
-                    f"{case_index}/{dtype}", results, labels=[("spec", "token_mean")],
+                    f"{case_index}/{dtype}", records, labels=[("spec", "token_mean")],
                     config_labels=spec_labels,
                 )  # fmt: skip
-    results["shared_programs"] = np.asarray(shared_program_count())
-    write_atomically(out_path, pickle.dumps(results, protocol=pickle.HIGHEST_PROTOCOL))
+    for _, results in records:
+        results["shared_programs"] = np.asarray(shared_program_count())
+    return [results for _, results in records]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
