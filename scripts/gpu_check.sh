@@ -8,6 +8,7 @@
 #                                  and both frameworks' default float32 matmul settings
 #   run.json / run.log             the analytic matrix at R = 1 on the GPU: torch ranks on
 #                                  cuda (NCCL), JAX on the gpu platform, float64 and float32
+#   division.log                   postnorm's G / D on the GPU against the CPU's, bit for bit
 #   bench.log, bench.json          `crosscheck bench --device cuda --ranks 1`
 #   tf32-*.json / tf32-*.log       a float32 step verified with TF32 matmuls on and off
 #   status.tsv, summary.txt        every check's exit status and seconds; the verdicts
@@ -52,7 +53,7 @@ check() {
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
 fi
-check device 60 "$PYTHON" - "$OUT/device.json" <<'EOF'
+check device 30 "$PYTHON" - "$OUT/device.json" <<'EOF'
 import json, sys
 import jax, torch
 gpu = torch.cuda.is_available()
@@ -72,6 +73,32 @@ json.dump(record, open(sys.argv[1], "w"), indent=1)
 print(json.dumps(record, indent=1))
 EOF
 
+# postnorm's division G / D on the GPU, bit for bit against the CPU's correctly rounded one
+# (torch_impl/division.py: CUDA's div_ by a Python float multiplies by its reciprocal).
+check division 30 "$PYTHON" - <<'EOF'
+import sys
+import torch
+from torch_impl.division import divide_all_exactly, divide_exactly
+gen = torch.Generator().manual_seed(0)
+bad = []
+for dtype in (torch.float32, torch.float64):
+    grads = [torch.randn(4096, generator=gen, dtype=dtype) for _ in range(3)]
+    for D in (3.0, 7.0, 1477.0, 25165513.0):  # the last is past 2^24: float32's detour
+        cpu = [g.clone() for g in grads]
+        gpu = [g.cuda() for g in grads]
+        divide_all_exactly(cpu, D)
+        divide_all_exactly(gpu, D)
+        one = grads[0].cuda()
+        divide_exactly(one, D)
+        pairs = [("all", g.cpu(), c) for g, c in zip(gpu, cpu)] + [("one", one.cpu(), cpu[0])]
+        for name, got, want in pairs:
+            differ = int((got != want).sum())
+            if differ:
+                bad.append(f"{dtype} D={D:g} ({name}): {differ} of {want.numel()} differ")
+print("\n".join(bad) or "every quotient bit-identical to the CPU's")
+sys.exit(1 if bad else 0)
+EOF
+
 # The analytic matrix at R = 1 on the GPU. jax-multiprocess stays out: its workers run on
 # the CPU with gloo collectives (docs/gpu.md).
 check run 200 "$PYTHON" -m crosscheck run --world-sizes 1 --accum 1,2 --dtypes float64,float32 \
@@ -83,14 +110,14 @@ check bench 120 "$PYTHON" -m crosscheck bench --device cuda --ranks 1 --json "$O
 
 # A float32 step, TF32 matmuls on and off, in each framework.
 VERIFY=(-m crosscheck verify --scheme token_mean --dtype float32 --world-sizes 1 --accum "1,2")
-check tf32-torch-on 60 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \
+check tf32-torch-on 45 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \
   --step scripts.gpu_tf32_steps:step_tf32 --json "$OUT/tf32-torch-on.json"
-check tf32-torch-off 60 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \
+check tf32-torch-off 45 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \
   --step scripts.gpu_tf32_steps:step_no_tf32 --json "$OUT/tf32-torch-off.json"
-check tf32-jax-default 60 env -u JAX_DEFAULT_MATMUL_PRECISION "$PYTHON" "${VERIFY[@]}" \
+check tf32-jax-default 45 env -u JAX_DEFAULT_MATMUL_PRECISION "$PYTHON" "${VERIFY[@]}" \
   --framework jax --platform gpu --step examples.jax_token_weighted:step \
   --json "$OUT/tf32-jax-default.json"
-check tf32-jax-highest 60 env JAX_DEFAULT_MATMUL_PRECISION=highest "$PYTHON" "${VERIFY[@]}" \
+check tf32-jax-highest 45 env JAX_DEFAULT_MATMUL_PRECISION=highest "$PYTHON" "${VERIFY[@]}" \
   --framework jax --platform gpu --step examples.jax_token_weighted:step \
   --json "$OUT/tf32-jax-highest.json"
 

@@ -3,6 +3,12 @@
 postnorm backpropagates the unnormalized sum and divides by D once every rank's d is known
 (``torch_impl.update.accumulate_postnorm``, ``torch_impl.spec_update``): G / D, one
 correctly rounded quotient per entry, with D the exact float64 sum of the ranks' d.
+
+On a GPU the divisor is a 0-dim tensor on the gradient's device, not the Python float: CUDA's
+``div_`` by a CPU scalar computes ``a * (1 / b)`` ("may lose one bit of precision compared to
+computing the division", ``div_true_kernel_cuda`` in ATen's BinaryDivTrueKernel.cu), which
+is not the correctly rounded quotient; by a device tensor it divides. scripts/gpu_check.sh
+compares the GPU's quotients with the CPU's, bit for bit.
 """
 
 from __future__ import annotations
@@ -31,9 +37,18 @@ def divide_exactly(grad: torch.Tensor, D: float) -> None:
         grad.zero_()
         return
     if _divides_in_place(grad, D):
-        grad.div_(D)  # D is exact in grad's dtype: not rounded, and no copy is needed
+        # D is exact in grad's dtype: not rounded, and no copy is needed.
+        grad.div_(_divisor(D, grad.dtype, grad.device))
     else:
-        grad.copy_(grad.to(accumulation_dtype(grad.device)).div_(D))
+        acc = accumulation_dtype(grad.device)
+        grad.copy_(grad.to(acc).div_(_divisor(D, acc, grad.device)))
+
+
+def _divisor(D: float, dtype: torch.dtype, device: torch.device) -> float | torch.Tensor:
+    """D as ``div_`` divides by it: the Python float on the CPU (a true division there), a
+    0-dim `dtype` tensor on `device` elsewhere (CUDA would multiply by a CPU scalar's
+    reciprocal; see the module docstring). D is exact in `dtype`: no rounding either way."""
+    return D if device.type == "cpu" else torch.tensor(D, dtype=dtype, device=device)
 
 
 def _divides_in_place(grad: torch.Tensor, D: float) -> bool:
@@ -50,10 +65,11 @@ def _divides_in_place(grad: torch.Tensor, D: float) -> bool:
 def divide_all_exactly(grads: Iterable[torch.Tensor], D: float) -> None:
     """`divide_exactly` of every tensor of `grads` by D, those that divide in place in one call.
 
-    ``torch._foreach_div_`` divides each tensor by the same Python scalar D as ``div_`` does
-    (on the CPU it is that very loop in C++), so the quotients are the same bits; what it saves
-    is a Python call per parameter (about 40 us for the small transformer's 21 tensors, a
-    tenth of a percent of its step: ``crosscheck bench``).
+    On the CPU ``torch._foreach_div_`` divides each tensor by the same Python scalar D as
+    ``div_`` does (it is that very loop, in C++), so the quotients are the same bits; what it
+    saves is a Python call per parameter (about 40 us for the small transformer's 21 tensors,
+    a tenth of a percent of its step: ``crosscheck bench``). Elsewhere each tensor goes
+    through `divide_exactly` and its device divisor.
     """
     grads = list(grads)
     if not D:
@@ -62,7 +78,8 @@ def divide_all_exactly(grads: Iterable[torch.Tensor], D: float) -> None:
         return
     in_place, detour = [], []
     for grad in grads:
-        (in_place if _divides_in_place(grad, D) else detour).append(grad)
+        fast = grad.device.type == "cpu" and _divides_in_place(grad, D)
+        (in_place if fast else detour).append(grad)
     if in_place:
         torch._foreach_div_(in_place, D)
     for grad in detour:
