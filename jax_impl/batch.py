@@ -183,6 +183,6 @@ def rank_slice(laid_out: Microbatch, rank: int, count: int = 1) -> Microbatch:
     """Ranks rank .. rank + count - 1's [count, M, B, T] block of an [R, M, B, T] batch (a
     multi-process shard: the ranks of one process's devices)."""
     world_size = np.shape(laid_out.targets)[0]
-    if count < 1 or not 0 <= rank <= rank + count - 1 < world_size:
+    if count < 1 or rank < 0 or rank + count > world_size:
         raise ValueError(f"ranks {rank} to {rank + count - 1} are outside [0, {world_size})")
     return Microbatch(*(np.asarray(x)[rank : rank + count] for x in laid_out))

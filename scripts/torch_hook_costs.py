@@ -20,7 +20,6 @@ minute). docs/bench.md quotes it.
 
 # No `from __future__ import annotations`: DDP's register_comm_hook reads the hooks'
 # annotations and rejects strings.
-import os
 import sys
 import time
 
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck.bench.config import BenchConfig, packed_batch
+from crosscheck.bench.torch_bench import pin_to_own_cores
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.division import divide_all_exactly
 from torch_impl.transformer import TinyTransformer, token_losses
@@ -49,8 +49,7 @@ def _sum_of_copy(state: None, bucket: dist.GradBucket) -> torch.futures.Future[t
 def costs(rank: int, world_size: int, updates: int) -> dict[str, tuple[float, float]]:
     """Per variant, (mean CPU s, mean wall s) of one update on this rank."""
     torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world_size:
-        os.sched_setaffinity(0, [sorted(os.sched_getaffinity(0))[rank]])
+    pin_to_own_cores(rank, world_size, threads=1)  # as the bench's ranks are
     batch = packed_batch(BenchConfig(rows=1, seq_len=32, accum=1), world_size)
     microbatch = [
         torch.as_tensor(batch[key][rank, 0], dtype=torch.long)

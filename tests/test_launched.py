@@ -107,35 +107,33 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Finishe
         started["torch-run"] = [
             (_start([*command, "--json", str(report)], _env(), log), log, report)
         ]
-        jax_cases = {
-            "jax-pass": ["--step", "examples.jax_token_weighted:step", "--accum", "1,2"],
-            "jax-fail": ["--step", "examples.jax_optax_multisteps:step", "--accum", "2"],
+        jax_verify = [sys.executable, *VERIFY, "--framework", "jax", "--fixtures", "packed"]
+        # name -> (command, CPU devices per process). The matrix's jax-multiprocess rows run
+        # at one device per process (R = 2) and two (R = 4: a process holds two consecutive
+        # ranks).
+        jax_jobs = {
+            "jax-pass": (
+                [*jax_verify, "--step", "examples.jax_token_weighted:step", "--accum", "1,2"],
+                1,
+            ),
+            "jax-fail": (
+                [*jax_verify, "--step", "examples.jax_optax_multisteps:step", "--accum", "2"],
+                1,
+            ),
+            "jax-run": (JAX_RUN, 1),
+            "jax-run-4": (JAX_RUN, 2),
         }
-        for name, options in jax_cases.items():
+        for name, (options, devices) in jax_jobs.items():
             # Held until the coordinator takes it over (jax_impl.harness.launch.PortReservation).
             reservation = reserve_port()
             reservations.append(reservation)
             started[name] = []
             for process_id in range(2):
                 report, log = tmp / f"{name}-{process_id}.json", tmp / f"{name}-{process_id}.log"
-                command = [sys.executable, *VERIFY, "--framework", "jax", *options]
-                command += ["--fixtures", "packed", "--json", str(report)]
+                command = [*options, "--json", str(report)]
                 command += ["--coordinator", f"127.0.0.1:{reservation.port}"]
                 command += ["--num-processes", "2", "--process-id", str(process_id)]
-                env = worker_env(_env())  # one CPU device per process, JAX on the CPU
-                started[name].append((_start(command, env, log), log, report))
-        # The matrix's jax-multiprocess rows in a two-process job: one CPU device per process
-        # (R = 2), and two each (R = 4: a process holds two consecutive ranks).
-        for name, devices in (("jax-run", 1), ("jax-run-4", 2)):
-            reservation = reserve_port()
-            reservations.append(reservation)
-            started[name] = []
-            for process_id in range(2):
-                report, log = tmp / f"{name}-{process_id}.json", tmp / f"{name}-{process_id}.log"
-                command = [*JAX_RUN, "--json", str(report)]
-                command += ["--coordinator", f"127.0.0.1:{reservation.port}"]
-                command += ["--num-processes", "2", "--process-id", str(process_id)]
-                env = worker_env(_env())
+                env = worker_env(_env())  # JAX on the CPU, `devices` CPU devices per process
                 env["XLA_FLAGS"] = env["XLA_FLAGS"].replace(
                     "device_count=1", f"device_count={devices}"
                 )

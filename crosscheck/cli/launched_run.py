@@ -75,26 +75,19 @@ def launched_run(
             f"crosscheck run: under torchrun only the oracle and the torch implementations run "
             f"(not {', '.join(jax)}); pass --impls oracle,torch-ddp,torch-fsdp2",
         )
-    if args.world_sizes is not None and set(args.world_sizes) != {place.world_size}:
-        return refuse(
-            say,
-            f"crosscheck run: --world-sizes {','.join(map(str, args.world_sizes))}: the "
-            f"launcher runs {place.world_size} ranks, the only world size here",
-        )
+    ranks = f"the launcher runs {place.world_size} ranks"
+    if problem := _world_size_problem(args, place.world_size, ranks):
+        return refuse(say, problem)
     try:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or place.world_size)
         device = resolve_torch_device(args.device, local_ranks)
     except ValueError as error:
         return refuse(say, f"crosscheck run: {error}")
-    mine = argparse.Namespace(**vars(args))
-    mine.impls, mine.world_sizes = impls, [place.world_size]
-    mine.no_world_size_change = mine.no_resume = True
-    mine.no_objectives = mine.no_spec_modes = True
+    mine = _joined_args(args, impls, place.world_size, place.rank)
+    mine.no_spec_modes = True
     # The device is the joined group's; the run's own placement must not look for GPUs for
     # launches it will not start.
     mine.device = "cpu"
-    if place.rank != 0:
-        mine.json = mine.log = mine.plot = None
     in_place.join(device, place.local_rank, COLLECTIVE_TIMEOUT_S)
     try:
         return int(in_place.agree(run(mine, say)))
@@ -134,22 +127,37 @@ def _launched_jax_run(
     job = LaunchedJaxJob(multihost, args.platform, WORKER_TIMEOUT_S, command="crosscheck run")
     try:
         world_size = job.join()
-        if args.world_sizes is not None and set(args.world_sizes) != {world_size}:
-            return job.agree(
-                refuse(
-                    say,
-                    f"crosscheck run: --world-sizes {','.join(map(str, args.world_sizes))}: "
-                    f"the JAX job has {world_size} devices, the only world size here",
-                )
-            )
-        mine = argparse.Namespace(**vars(args))
-        mine.impls, mine.world_sizes = impls, [world_size]
-        mine.no_world_size_change = mine.no_resume = mine.no_objectives = True
+        devices = f"the JAX job has {world_size} devices"
+        if problem := _world_size_problem(args, world_size, devices):
+            return job.agree(refuse(say, problem))
+        mine = _joined_args(args, impls, world_size, multihost.process_id)
         # The job's backend is already up (`job.join`); the run starts no JAX worker whose
         # platform it would probe or set.
         mine.platform = None
-        if multihost.process_id != 0:
-            mine.json = mine.log = mine.plot = None
         return job.agree(run(mine, say))
     finally:
         job.close()
+
+
+def _world_size_problem(args: argparse.Namespace, world_size: int, job: str) -> str:
+    """Why ``--world-sizes`` names another R than the joined job's `world_size` (`job` says
+    whose), or ''."""
+    if args.world_sizes is None or set(args.world_sizes) == {world_size}:
+        return ""
+    return (
+        f"crosscheck run: --world-sizes {','.join(map(str, args.world_sizes))}: {job}, the "
+        "only world size here"
+    )
+
+
+def _joined_args(
+    args: argparse.Namespace, impls: list[str], world_size: int, rank: int
+) -> argparse.Namespace:
+    """The run's options inside a joined job: `impls` at its world size only, without the
+    rows that launch other world sizes or processes of their own; outputs from rank 0 alone."""
+    mine = argparse.Namespace(**vars(args))
+    mine.impls, mine.world_sizes = impls, [world_size]
+    mine.no_world_size_change = mine.no_resume = mine.no_objectives = True
+    if rank != 0:
+        mine.json = mine.log = mine.plot = None
+    return mine
