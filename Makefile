@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONSTRAINTS := scripts/constraints.txt
 
-.PHONY: demo test lint format fresh-install clean
+.PHONY: demo test lint format conformance fresh-install clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,19 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest
+
+# The whole conformance table (docs/conformance.md): the frameworks of
+# scripts/constraints-conformance.txt on top of the tested set, then every setting.
+CONFORMANCE_CONSTRAINTS := scripts/constraints-conformance.txt
+CONFORMANCE_STAMP := $(VENV)/.conformance-installed
+
+$(CONFORMANCE_STAMP): $(STAMP) $(CONFORMANCE_CONSTRAINTS)
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -c $(CONFORMANCE_CONSTRAINTS) -e ".[all,deepspeed]"
+	$(PY) -m pip install --quiet --no-deps -r $(CONFORMANCE_CONSTRAINTS)
+	touch $(CONFORMANCE_STAMP)
+
+conformance: $(CONFORMANCE_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m crosscheck conformance --markdown docs/conformance.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -28,6 +28,7 @@ LAYERS = (
     "bugs",
     "verification",
     "bench",
+    "conformance",
     "cli",
 )
 #: Above every layer: the public API, `python -m crosscheck` and the pytest plugin.

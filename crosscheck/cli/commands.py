@@ -230,6 +230,10 @@ def _dispatch(args: argparse.Namespace, console: Console) -> int:
         return verify(args, console)
     if args.command == "bench":
         return bench(args, console)
+    if args.command == "conformance":
+        from crosscheck.cli.conformance_report import conformance_command
+
+        return conformance_command(args, console)
     raise AssertionError(args.command)
 
 

@@ -236,12 +236,33 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--platform", help="JAX's jax_platforms (default: cpu with --device cpu)")
 
 
+def _add_conformance(commands: argparse._SubParsersAction) -> None:
+    conformance = commands.add_parser(
+        "conformance",
+        help="run real frameworks' trainers (transformers, TRL, optax, ...) for one update "
+        "each and hold their weighting to the versioned expectations",
+    )
+    conformance.add_argument(
+        "--framework",
+        type=_name_list,
+        help="only these frameworks (distribution names, comma-separated; default: every "
+        "installed one)",
+    )
+    conformance.add_argument(
+        "--setting", type=_name_list, help="only these settings (comma-separated; default: all)"
+    )
+    conformance.add_argument("--json", type=Path, help="write every row as JSON here")
+    conformance.add_argument(
+        "--markdown", type=Path, help="write the table as docs/conformance.md publishes it"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="crosscheck",
         description="Check that loss normalization weights tokens the way it should.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_run, _add_bugs, _add_export, _add_verify, _add_bench):
+    for add in (_add_run, _add_bugs, _add_export, _add_verify, _add_bench, _add_conformance):
         add(commands)
     return parser
