@@ -22,6 +22,7 @@ from bug_predictions import (
     LOGGED_DENOMINATOR,
     TOKEN_MEAN_SCALE,
     counts,
+    global_microbatch_mean_weights,
     local_group_count_weights,
 )
 
@@ -150,6 +151,19 @@ def test_local_means_are_the_oracles_accidental_schemes(pattern: str) -> None:
         want = loss_and_grad(builtin_fixture(run.fixture), scheme, run.world_size, run.accum_steps)
         _assert_close(run, bug_output(run).grads, want.grads)
         assert tree_rel_err(want.grads, _token_mean(run).grads).max_rel_err > 1e-3
+
+
+def test_global_microbatch_mean_weighs_each_microbatch_by_its_count_over_ranks() -> None:
+    runs = [r for r in CATALOGUE if r.pattern == "global-microbatch-mean"]
+    assert runs
+    for run in runs:
+        f, R, M = builtin_fixture(run.fixture), run.world_size, run.accum_steps
+        want = _grad(f, global_microbatch_mean_weights(f.name, R, M))
+        _assert_close(run, bug_output(run).grads, want)
+        # The layout tells it from the intended token mean and from microbatch-mean.
+        for scheme in ("token_mean", "microbatch_mean"):
+            other = loss_and_grad(f, scheme, R, M).grads
+            assert tree_rel_err(want, other).max_rel_err > 1e-3, (run.describe(), scheme)
 
 
 def test_local_group_count_weighs_each_group_part_by_its_microbatch_count() -> None:

@@ -6,27 +6,30 @@ per-token effective weighting :math:`w_t` (its gradient is the oracle's
 would log. Relative to the intended scheme's weights :math:`w^I_t = a_t / D`
 (R ranks, M microbatches, :math:`D_r` / :math:`d_{rm}` a rank's / microbatch's share of D):
 
-==================== ======================================================================
-rank-mean            :math:`a_t / (R\, D_r)` (each rank normalizes locally, ranks averaged)
-microbatch-mean      :math:`a_t / (R M\, d_{rm})` (each microbatch normalizes locally)
-missing-world-size   :math:`w^I / R`, logs D
-double-reduce-count  :math:`w^I / R`, logs R D (same gradient: only the log tells them apart)
-double-world-size    :math:`R\, w^I`
-double-accum-scale   :math:`M\, w^I`
-double-accum-divide  :math:`w^I / M`
-unshifted-count      :math:`w^I D / (D + n_{rows})`, rows with a valid target (token mean)
-attention-mask-count :math:`w^I D / A`, A attended positions (token mean)
-padding-as-tokens    :math:`w^I D / (N T)` (token mean)
-packed-as-one        row-mean weights (sequence mean intended)
-stale-count          :math:`w^I D / (D + \sum \text{earlier } D)`
-clip-per-microbatch  :math:`w^I \min(1, c / \lVert g_m \rVert)` per accumulation step m, with
-                     torch's or optax's clipping convention
-float32-count        :math:`w^I D / \tilde D`, :math:`\tilde D` a float32 number near D > 2^24
-local-group-count    the intended spec with its group count per microbatch
-                     (`crosscheck.diagnosis.spec_candidates`)
-zero-count-nan       no weights: a non-finite gradient on a layout with a unit the intended
-                     scheme counts nothing in (`crosscheck.diagnosis.zero_count`)
-==================== ======================================================================
+====================== ======================================================================
+rank-mean              :math:`a_t / (R\, D_r)` (each rank normalizes locally, ranks averaged)
+microbatch-mean        :math:`a_t / (R M\, d_{rm})` (each microbatch normalizes locally)
+global-microbatch-mean :math:`a_t / (M \sum_r d_{rm})` (each microbatch normalizes over all
+                       ranks); where every rank of each microbatch holds the same d_rm it is
+                       microbatch-mean, and is left to that name
+missing-world-size     :math:`w^I / R`, logs D
+double-reduce-count    :math:`w^I / R`, logs R D (same gradient: only the log tells them apart)
+double-world-size      :math:`R\, w^I`
+double-accum-scale     :math:`M\, w^I`
+double-accum-divide    :math:`w^I / M`
+unshifted-count        :math:`w^I D / (D + n_{rows})`, rows with a valid target (token mean)
+attention-mask-count   :math:`w^I D / A`, A attended positions (token mean)
+padding-as-tokens      :math:`w^I D / (N T)` (token mean)
+packed-as-one          row-mean weights (sequence mean intended)
+stale-count            :math:`w^I D / (D + \sum \text{earlier } D)`
+clip-per-microbatch    :math:`w^I \min(1, c / \lVert g_m \rVert)` per accumulation step m, with
+                       torch's or optax's clipping convention
+float32-count          :math:`w^I D / \tilde D`, :math:`\tilde D` a float32 number near D > 2^24
+local-group-count      the intended spec with its group count per microbatch
+                       (`crosscheck.diagnosis.spec_candidates`)
+zero-count-nan         no weights: a non-finite gradient on a layout with a unit the intended
+                       scheme counts nothing in (`crosscheck.diagnosis.zero_count`)
+====================== ======================================================================
 
 and every other scheme's own weights under its own name. The definitions of what each buggy
 step does are in `crosscheck.diagnosis.patterns`; this module is the numpy side of that contract.
@@ -100,7 +103,8 @@ def _divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
 
 
 def local_mean_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
-    """rank-mean and microbatch-mean of the intended scheme's own (a_t, d)."""
+    """rank-mean, microbatch-mean and global-microbatch-mean of the intended scheme's own
+    (a_t, d)."""
     d = _local_denominators(intended, batch)
     if d is None:
         return []
@@ -117,7 +121,21 @@ def local_mean_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candida
     microbatch_mean = Candidate(
         "microbatch-mean", "pattern", batch.to_global(w), float(d[0, -1]), degenerate=M == 1
     )
-    return [rank_mean, microbatch_mean]
+    # Microbatch m's count over all ranks, n_m = sum_r d_rm, and the M means averaged. At
+    # M = 1 that is the intended scheme, at R = 1 microbatch-mean; and where every rank holds
+    # the same d_rm in each microbatch, n_m = R d_rm and it is microbatch-mean again: the two
+    # predict one gradient there, and the older name is the one given.
+    per_step = d.sum(axis=0)
+    w = _divide(a, per_step[None, :, None, None]) / M
+    same_counts = bool(np.all(d == d[:1]))
+    global_microbatch_mean = Candidate(
+        "global-microbatch-mean",
+        "pattern",
+        batch.to_global(w),
+        float(per_step[-1]),
+        degenerate=R == 1 or M == 1 or same_counts,
+    )
+    return [rank_mean, microbatch_mean, global_microbatch_mean]
 
 
 def scale_candidates(

@@ -14,6 +14,9 @@ log for that window. Only ``stale-count`` makes the two windows differ.
 
 Notation (one window): R ranks, M microbatches per rank, D the intended global denominator,
 ``n_r`` / ``n_rm`` the valid targets of a rank / microbatch, N rows of T slots.
+
+Why one file: the catalogue is one table, a record per pattern in the order of docs/bugs.md, read
+top to bottom as that table is; its reader and the run records sit beside it.
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ class BugPattern:
 #: `logged_denominator`; a record without ``signature`` is "scale"; ``runs`` lists fixture
 #: (R, M)); a line indented deeper continues the field above it, a ``# `` line is a comment,
 #: and ``{clip_norm}`` stands for CLIP_PER_MICROBATCH_NORM. Kept as text because it is a
-#: table: sixteen records of the same fields read best as the table docs/bugs.md shows.
+#: table: seventeen records of the same fields read best as the table docs/bugs.md shows.
 _CATALOGUE = """
 rank-mean
     intended: token_mean
@@ -88,6 +91,27 @@ microbatch-mean
     fix: do not average per-microbatch means: sum each microbatch's token losses
         (reduction="sum") and divide by the valid tokens of the whole accumulation window on all
         ranks, counted before the first backward (times R under DDP's averaging)
+
+global-microbatch-mean
+    intended: token_mean
+    signature: microbatch
+    # R > 1 and M > 1, where the ranks' counts differ inside a microbatch and the global
+    # microbatches' counts differ: at R = 1 it is microbatch-mean, at M = 1 the intended token
+    # mean, and where every rank of each microbatch holds the same count it is microbatch-mean.
+    runs: packed (2, 2), ragged (2, 2)
+    upstream: optax.MultiSteps(use_grad_mean=True) with a mean loss under jit over a globally
+        sharded batch (the optax gradient accumulation guide); transformers#34191 (its per-rank
+        cousin)
+    step: each accumulation microbatch m takes its token mean over all ranks, sum / n_m with
+        n_m = sum_r n_rm (the microbatch's count all-reduced before its backward), divided by M
+        for accumulation; the gradient reduction is correct (a sum, or x R under DDP's
+        averaging): token t of microbatch m weighs v_t / (M n_m)
+    logged denominator: n_m of the last microbatch (all ranks)
+    fix: count the valid tokens of the whole accumulation window (all M microbatches, all
+        ranks) once, before the first micro-step, and divide every microbatch's summed loss by
+        that count instead of by its own microbatch's (times R under DDP's averaging; in optax,
+        MultiSteps(use_grad_mean=False) with each micro-step's summed loss over the window's
+        count)
 
 missing-world-size
     intended: token_mean

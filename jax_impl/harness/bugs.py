@@ -10,6 +10,9 @@ exactly one way; the docstring gives the gradient the step hands the optimizer.
 Notation: l_t token loss, v_t valid target, R ranks, M microbatches per rank, n_r / n_rm the
 valid targets of a rank / microbatch, D = sum_t v_t over the global batch of N rows x T slots,
 and :math:`\nabla L = \sum_t v_t \nabla l_t / D` the intended token-mean gradient.
+
+Why one file: the steps are one list, a step per pattern in the order of docs/bugs.md, read side
+by side as the table is (the contract-v2 steps are in `jax_impl.harness.bugs_groups`).
 """
 
 from __future__ import annotations
@@ -128,6 +131,38 @@ def microbatch_mean(params: Params, batch: Microbatch, state: State, ctx: StepCo
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
     n0 = jnp.zeros_like(batch.targets, shape=(), dtype=jnp.int32)
+    (state, updates, n_last), _ = lax.scan(micro_step, (state, zeros, n0), batch)
+    return WindowOut(updates, n_last, state)
+
+
+def global_microbatch_mean(
+    params: Params, batch: Microbatch, state: State, ctx: StepContext
+) -> WindowOut:
+    r"""optax.MultiSteps (``use_grad_mean=True``) fed the gradient of each micro-step's token
+    mean over the *global* microbatch, as ``jax.jit`` over a batch sharded on "data" computes
+    it (the optax gradient accumulation guide's mean loss; transformers#34191 is the per-rank
+    cousin): the microbatch's count psum'd, :math:`n_m = \sum_r n_{rm}`, its gradient psum'd,
+    and MultiSteps averaging the M of them:
+    :math:`g = \frac1M \sum_m \frac{1}{n_m} \sum_{t \in m} v_t \nabla l_t`, every rank of
+    a microbatch weighed alike. The state is the MultiSteps state (identity inner optimizer).
+    Logs n_m of the last microbatch."""
+    tx = _multisteps(params, ctx)
+    dtype = dtype_of(params)
+
+    def micro_step(carry, mb: Microbatch):
+        opt_state, _, _ = carry
+        n_m = lax.psum(count(valid(mb)), ctx.axis)  # the global microbatch's count
+
+        def mean_loss(p: Params) -> jax.Array:  # BUG: the microbatch's mean, not the window's
+            return token_loss_sum(p, mb) / n_m.astype(dtype)
+
+        _, grads = jax.value_and_grad(mean_loss)(params)
+        # What jit's all-reduce of a globally sharded mean gives: the sum of the ranks' parts.
+        updates, opt_state = tx.update(lax.psum(grads, ctx.axis), opt_state)
+        return (opt_state, updates, n_m), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+    n0 = jnp.zeros((), dtype=jnp.int32)  # the same on every rank, as the psum'd n_m is
     (state, updates, n_last), _ = lax.scan(micro_step, (state, zeros, n0), batch)
     return WindowOut(updates, n_last, state)
 
@@ -326,6 +361,9 @@ BUG_STEPS: dict[str, BugStep] = {
     "rank-mean": BugStep(rank_mean),
     "microbatch-mean": BugStep(
         microbatch_mean, lambda params, ctx: _multisteps(params, ctx).init(params)
+    ),
+    "global-microbatch-mean": BugStep(
+        global_microbatch_mean, lambda params, ctx: _multisteps(params, ctx).init(params)
     ),
     "missing-world-size": BugStep(missing_world_size),
     "double-world-size": BugStep(double_world_size),

@@ -71,6 +71,28 @@ def microbatch_mean(model: nn.Module, microbatches: Sequence[TokenBatch], window
     return float(microbatches[-1].valid.sum())
 
 
+def global_microbatch_mean(
+    model: nn.Module, microbatches: Sequence[TokenBatch], window: Window
+) -> float:
+    r"""global-microbatch-mean: each microbatch's own count, all-reduced, divided by M.
+
+    Before each microbatch's backward the loop all-reduces that microbatch's valid count,
+    :math:`n_m = \sum_r n_{rm}`, and backpropagates :math:`R \sum_{t \in (r, m)} v_t l_t /
+    (n_m M)` (x R against DDP's average): token t of microbatch m weighs
+    :math:`v_t / (M\, n_m)`, every rank of a microbatch alike. Upstream: optax.MultiSteps with
+    a mean loss under jit over a globally sharded batch (the optax gradient accumulation
+    guide); transformers#34191 is the per-rank cousin. Logs :math:`n_m` of the last microbatch.
+    """
+    n_m = torch.zeros((), dtype=torch.int64)
+    for step, batch in enumerate(microbatches):
+        # BUG: a count per microbatch (over all ranks), not one for the whole window.
+        n_m = global_sum(batch.valid.sum())
+        with accumulating(model, step, window.accum_steps):
+            loss = cross_entropy_of(model, batch, "sum") / n_m / window.accum_steps
+            (loss * window.world_size).backward()
+    return float(n_m)
+
+
 def missing_world_size(
     model: nn.Module, microbatches: Sequence[TokenBatch], window: Window
 ) -> float:
@@ -299,6 +321,7 @@ def rank_skew(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wind
 WINDOW_STEPS: dict[str, WindowStep] = {
     "rank-mean": rank_mean,
     "microbatch-mean": microbatch_mean,
+    "global-microbatch-mean": global_microbatch_mean,
     "missing-world-size": missing_world_size,
     "double-world-size": double_world_size,
     "double-accum-scale": double_accum_scale,
