@@ -65,6 +65,13 @@ def _expected(row: Row) -> str:
     return row.outcome
 
 
+def _scheme(setting: Setting) -> str:
+    """The intended scheme as the table shows it: a spec object by its name, without the
+    module it is imported from (the reproduction command has it whole)."""
+    module, _, name = setting.scheme.rpartition(":")
+    return name if "." in module else setting.scheme
+
+
 def _layouts(setting: Setting) -> str:
     return f"R {','.join(map(str, setting.world_sizes))} x M {','.join(map(str, setting.accum))}"
 
@@ -82,7 +89,7 @@ def conformance_table(rows: list[Row]) -> Table:
         table.add_row(
             row.label,
             row.setting.title,
-            row.setting.scheme if row.setting.runs else "-",
+            _scheme(row.setting) if row.setting.runs else "-",
             _verdict(row),
             _error(row.max_rel_err),
             _expected(row),

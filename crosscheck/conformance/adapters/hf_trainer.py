@@ -52,6 +52,11 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
+from crosscheck.conformance.adapters.tiny_models import quiet_transformers
+
+quiet_transformers()
+
+
 Microbatch = dict[str, torch.Tensor]
 
 #: The keys a row carries into the Trainer: the model's input, the labels the Trainer counts,

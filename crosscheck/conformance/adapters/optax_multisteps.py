@@ -1,5 +1,8 @@
 r"""optax 0.2.8's real ``optax.MultiSteps`` on a tiny Flax 0.12.8 NNX causal LM, one update.
 
+Why one file: the six settings share the model, the loss and the micro-step loop; each is
+a few lines of it.
+
 Pinned: optax 0.2.8, flax 0.12.8, jax / jaxlib 0.10.2. Run a row as::
 
     OMP_NUM_THREADS=1 .venv/bin/python -m crosscheck verify --framework jax \
@@ -38,27 +41,28 @@ means *is* the large-batch mean.
 **Intended scheme, per setting.** ``use_grad_mean=True``: ``token_mean``, the one large-batch
 step the guide promises to mimic; the docs show that equality only for microbatches of equal
 counts, so with a token-mean loss over microbatches of unequal valid-token counts the expected
-verdict is the average of microbatch means (microbatch-mean, or its per-global-microbatch form
-under jit), i.e. documented behaviour, not an optax bug. ``use_grad_mean=False``: the docs only
-promise "summed"; the intended scheme is still ``token_mean`` (a summing MultiSteps is the tool
-for a loss normalized by the whole window: ``examples/jax_optax_float32.py``), and with a
-per-microbatch mean loss the sum is M times the average above.
+verdict is the average of microbatch means (microbatch-mean, or under jit its
+per-global-microbatch form, global-microbatch-mean), i.e. documented behaviour, not an optax
+bug. ``use_grad_mean=False``: the docs only promise "summed"; the intended scheme is still
+``token_mean`` (a summing MultiSteps is the tool for a loss normalized by the whole window:
+``examples/jax_optax_float32.py``), and with a per-microbatch mean loss the sum is M times the
+average above.
 
 **What verify says** (``--scheme token_mean``, packed and ragged, R in {1, 2}, M in {1, 2}):
 every setting is exact (float64-exact) at M = 1 wherever the mean is taken over the global
 microbatch, and none is token_mean at M = 2. With n_rm the valid targets of rank r's
 microbatch m, n_m = sum_r n_rm and N = sum n_rm, a token's weight is
 
-* ``step_jit_mean``, ``step_nnx_mean``: 1 / (M n_m): microbatch-mean at R = 1, microbatch-skew
-  (one factor per global microbatch, the same on every rank) at R = M = 2;
+* ``step_jit_mean``, ``step_nnx_mean``: 1 / (M n_m): global-microbatch-mean (at R = 1 it
+  coincides with microbatch-mean, the name kept there);
 * ``step_jit_sum``, ``step_nnx_sum``: 1 / n_m, M times that: microbatch-skew at M = 2;
 * ``step_shard_map_mean``: 1 / (R M n_rm): rank-mean at M = 1, microbatch-mean at M = 2 (the
   catalogued pattern, named for every case);
 * ``step_shard_map_sum``: 1 / (R n_rm): rank-mean at M = 1, microbatch-skew at M = 2.
 
 The factors verify recovers (N times the weight) agree with these to 3.4e-9 (the float32
-accumulator). gradweight's catalogue has no pattern for a per-global-microbatch mean nor for
-M times microbatch-mean, hence the family name microbatch-skew.
+accumulator). M times a microbatch mean (the sum settings) has no pattern of its own: it is
+named by its family, microbatch-skew (one factor per microbatch).
 
 **The loss** is what a Flax / optax user writes for a language model: the token mean of the
 microbatch's cross-entropy over its valid targets. Per token, optax's own

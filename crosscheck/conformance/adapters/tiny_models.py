@@ -9,7 +9,10 @@ over the same 40 ids, built in memory, for the trainers that want a ``processing
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import transformers
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
@@ -44,12 +47,22 @@ def logits(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> torch
     return model(input_ids=microbatch["inputs"]).logits
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    """Token ``t{i}`` is id i for i < 40; id 0 doubles as padding and end of sequence (the
-    rows come padded to one length, so no padding is ever added)."""
+def tokenizer(eos_token: str = "t0") -> PreTrainedTokenizerFast:
+    """Token ``t{i}`` is id i for i < 40, built in memory (no download); id 0 doubles as
+    padding (the rows come padded to one length, and padded positions are masked out of the
+    loss and the attention, so which id they carry does not matter)."""
     vocab = {f"t{i}": i for i in range(VOCAB_SIZE)}
     core = Tokenizer(WordLevel(vocab, unk_token="t0"))
     core.pre_tokenizer = WhitespaceSplit()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, unk_token="t0", pad_token="t0", eos_token="t0"
+        tokenizer_object=core, unk_token="t0", pad_token="t0", eos_token=eos_token
     )
+
+
+def quiet_transformers() -> None:
+    """Keep the frameworks' own notices out of the verify run's output: transformers' logger
+    (the tokenizer's special tokens aligned to the config, and the like) at errors only, and
+    its FutureWarnings about arguments the adapters do not choose (the trainers' configs
+    pass deprecated ones on themselves)."""
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers\.")

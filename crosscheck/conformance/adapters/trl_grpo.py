@@ -84,34 +84,21 @@ import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PrinterCallback, ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as grpo_trainer_module
 
+from crosscheck.conformance.adapters.tiny_models import quiet_transformers, tokenizer
 from crosscheck.conformance.adapters.trl_grpo_specs import MAX_COMPLETION_LENGTH
 from crosscheck.fixtures.groups import GRPO_GROUP_SIZE, GRPO_REWARDS
 
+quiet_transformers()
+
 IGNORE_INDEX = -100
-#: The fixtures' vocabulary (tiny_models.VOCAB_SIZE).
-VOCAB_SIZE = 40
 
 Microbatch = dict[str, torch.Tensor]
 #: (prompt + completion token ids, prompt length, fixed reward, advantage) of a fixture row.
 Row = tuple[tuple[int, ...], int, float, float]
-
-
-def tokenizer() -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over the 40 token ids, built in memory (no download): TRL only
-    decodes completions with it (for reward functions and logs) and pads with its pad id."""
-    vocab = {f"t{i}": i for i in range(VOCAB_SIZE)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # Pad and EOS are ordinary ids of the vocabulary: padded positions are masked out of the
-    # loss and the attention, so which id they carry does not matter.
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="t0", pad_token="t0", eos_token="t1"
-    )
 
 
 def _rows(batch: Microbatch) -> list[Row]:
@@ -368,10 +355,13 @@ def run_grpo(
             reward_funcs=fixed_reward,
             args=args,
             train_dataset=dataset,
-            processing_class=tokenizer(),
+            processing_class=tokenizer(eos_token="t1"),
             optimizers=(optimizer, schedule),
             rollout_func=_rollout(layout),
         )
+        # The ranks' stdout is the verify run's: no per-log prints or progress bars.
+        for callback in (PrinterCallback, ProgressCallback):
+            trainer.remove_callback(callback)
         problems = _watch_loss(trainer, layout)
         with _unshuffled(args.steps_per_generation):
             trainer.train()
