@@ -88,8 +88,10 @@ class Row:
 
     @property
     def label(self) -> str:
-        version = self.version or "not installed"
-        return f"{self.setting.framework}=={version}" if self.version else version
+        """``framework==version``, or the framework with "(not installed)"."""
+        if self.version is None:
+            return f"{self.setting.framework} (not installed)"
+        return f"{self.setting.framework}=={self.version}"
 
     def to_json(self) -> dict:
         s = self.setting
