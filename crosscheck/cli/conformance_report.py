@@ -78,8 +78,9 @@ def _layouts(setting: Setting) -> str:
 
 def conformance_table(rows: list[Row]) -> Table:
     table = Table(title="real frameworks, one optimizer update each, against their documentation")
-    for column in ("framework", "setting", "intended", "verdict", "max rel err", "expected"):
+    for column in ("framework", "setting", "intended", "verdict", "max rel err", "cases"):
         table.add_column(column, overflow="fold")
+    table.add_column("expected", overflow="fold")
     table.add_column("result", justify="right")
     for row in rows:
         ok = row.outcome == AS_EXPECTED
@@ -92,10 +93,27 @@ def conformance_table(rows: list[Row]) -> Table:
             _scheme(row.setting) if row.setting.runs else "-",
             _verdict(row),
             _error(row.max_rel_err),
+            _cases(row) if row.setting.runs else "-",
             _expected(row),
             result,
         )
     return table
+
+
+def _cases(row: Row) -> str:
+    """How many fixture x layout cases ran, on which fixtures and layouts."""
+    return f"{row.cases}: {', '.join(row.setting.fixtures)}; {_layouts(row.setting)}"
+
+
+def print_commands(console: Console, rows: list[Row]) -> None:
+    """The `crosscheck verify` command that reproduces each row alone."""
+    ran = [row for row in rows if row.setting.runs]
+    if ran:
+        console.print("reproduce a row alone:")
+    for row in ran:
+        console.print(
+            f"  {escape(row.setting.key)}: {escape(row.setting.command_line())}", soft_wrap=True
+        )
 
 
 def exit_code(rows: list[Row]) -> int:
@@ -257,6 +275,7 @@ def conformance_command(args: argparse.Namespace, console: Console) -> int:
             rows.append(run_setting(setting, expectations))
     console.print(conformance_table(rows))
     _details(console, rows)
+    print_commands(console, rows)
     for setting, why in skipped:
         console.print(f"skipped {escape(setting.key)}: {escape(why)}", soft_wrap=True)
     wall = time.perf_counter() - started
