@@ -259,6 +259,9 @@ def _refusal(args: argparse.Namespace) -> tuple[list[Setting], str]:
 
 def conformance_command(args: argparse.Namespace, console: Console) -> int:
     started = time.perf_counter()
+    # Every setting runs on the CPU: DeepSpeed (which transformers imports when installed)
+    # then takes its CPU accelerator without probing for one and saying so in every rank.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     chosen, problem = _refusal(args)
     if problem:
         return refuse(console, problem)

@@ -172,6 +172,9 @@ def train_one_update(
             save_strategy="no",
             logging_strategy="no",
             disable_tqdm=True,
+            # The Trainer sets transformers' log level on every rank: errors only.
+            log_level="error",
+            log_level_replica="error",
             # ``shift_labels`` is no named parameter of the model's forward (it rides in
             # ``**kwargs``): the default column filter would drop it and the loss would shift
             # the aligned targets once more.

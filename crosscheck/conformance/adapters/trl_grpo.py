@@ -345,6 +345,10 @@ def run_grpo(
             save_strategy="no",
             logging_steps=1,
             disable_tqdm=True,
+            # The Trainer sets transformers' log level on every rank: errors only.
+            log_level="error",
+            log_level_replica="error",
+            ddp_find_unused_parameters=False,  # every parameter gets a gradient
             dataloader_num_workers=0,
             seed=0,
             **config,
