@@ -32,7 +32,7 @@ def counts(fixture_name: str, R: int, M: int) -> dict[str, float]:
         "slots": float(N * T),
         "rank0": float(per_microbatch[0].sum()),
         "rank0_last_microbatch": float(per_microbatch[0, M - 1].sum()),
-        # The last microbatch over all ranks (n_m of global-microbatch-mean).
+        # The last microbatch over all ranks (n_m of microstep-mean).
         "last_microbatch": float(per_microbatch[:, M - 1].sum()),
         "weight_total": math.fsum(fixture.weights[valid].tolist()),
         # Prompt groups with a valid target (every row its own group without group_ids).
@@ -56,8 +56,8 @@ def local_group_count_weights(fixture_name: str, R: int, M: int) -> np.ndarray:
     return weights / counts(fixture_name, R, M)["groups"]
 
 
-def global_microbatch_mean_weights(fixture_name: str, R: int, M: int) -> np.ndarray:
-    """[N, T] effective weights of global-microbatch-mean's text: v_t / (M n_m), with n_m the
+def microstep_mean_weights(fixture_name: str, R: int, M: int) -> np.ndarray:
+    """[N, T] effective weights of microstep-mean's text: v_t / (M n_m), with n_m the
     valid targets of t's microbatch index m summed over every rank."""
     fixture = builtin_fixture(fixture_name)
     valid = fixture.targets != IGNORE_INDEX
@@ -71,7 +71,7 @@ def global_microbatch_mean_weights(fixture_name: str, R: int, M: int) -> np.ndar
 LOGGED_DENOMINATOR: dict[str, Callable[[dict[str, float], int], float]] = {
     "rank-mean": lambda c, R: c["rank0"],
     "microbatch-mean": lambda c, R: c["rank0_last_microbatch"],
-    "global-microbatch-mean": lambda c, R: c["last_microbatch"],
+    "microstep-mean": lambda c, R: c["last_microbatch"],
     "missing-world-size": lambda c, R: c["D"],
     "double-world-size": lambda c, R: c["D"],
     "double-accum-scale": lambda c, R: c["D"],

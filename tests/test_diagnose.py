@@ -242,7 +242,7 @@ def test_dedup_fixtures_count_past_float32(name):
     assert not np.any(fixture.weights[~fixture.valid])
 
 
-def _global_microbatch_mean(fixture: Fixture, R: int, M: int) -> np.ndarray:
+def _microstep_mean(fixture: Fixture, R: int, M: int) -> np.ndarray:
     """v_t / (M n_m), n_m the valid targets of t's microbatch index over every rank: numpy
     from the counts, not from crosscheck.diagnosis.candidates."""
     valid = fixture.valid.astype(np.float64)
@@ -253,11 +253,11 @@ def _global_microbatch_mean(fixture: Fixture, R: int, M: int) -> np.ndarray:
     return np.where(denominator > 0, valid / np.maximum(denominator, 1.0), 0.0)
 
 
-def test_global_microbatch_mean_is_named_only_where_no_other_name_predicts_it():
+def test_microstep_mean_is_named_only_where_no_other_name_predicts_it():
     """On every fixture and layout: the intended token mean at M = 1 or where every global
     microbatch holds the same count, microbatch-mean at R = 1 or where every rank of each
     microbatch holds the same count (one gradient there; the older name is kept), and
-    global-microbatch-mean everywhere else, which at R, M > 1 with unequal counts is most
+    microstep-mean everywhere else, which at R, M > 1 with unequal counts is most
     fixtures."""
     named = 0
     for fixture_name in BUILTIN_FIXTURES:
@@ -266,28 +266,28 @@ def test_global_microbatch_mean_is_named_only_where_no_other_name_predicts_it():
             if R * M > 8:
                 continue
             counts = fixture.valid.reshape(R, M, -1).sum(axis=2)
-            grads = _grad(fixture, _global_microbatch_mean(fixture, R, M))
+            grads = _grad(fixture, _microstep_mean(fixture, R, M))
             d = diagnose(fixture, R, M, grads, "token_mean")
             where = (fixture_name, R, M, counts.tolist(), d.matches)
             per_step = counts.sum(axis=0)
             if np.any(per_step == 0):
                 # A microbatch without a token anywhere: the others' mean, a plain 1/M
                 # (empty-rank at R = 1), which the catalogue leaves to the scale patterns.
-                assert "global-microbatch-mean" not in d.matches, where
+                assert "microstep-mean" not in d.matches, where
             elif M == 1 or np.all(per_step == per_step[0]):
                 assert d.best_match == "token_mean", where
             elif R == 1 or np.all(counts == counts[:1]):
                 assert d.best_match == "microbatch-mean", where
-                assert "global-microbatch-mean" in d.fits, where  # degenerate: it fits
+                assert "microstep-mean" in d.fits, where  # degenerate: it fits
             else:
-                assert d.best_match == "global-microbatch-mean", where
+                assert d.best_match == "microstep-mean", where
                 assert "Tokens on microbatch" in d.explanation and "every rank" in d.explanation
-                assert d.fix.startswith(PATTERNS["global-microbatch-mean"].fix)
+                assert d.fix.startswith(PATTERNS["microstep-mean"].fix)
                 named += 1
     assert named >= 10
 
 
-def test_microbatch_mean_is_never_renamed_global_microbatch_mean():
+def test_microbatch_mean_is_never_renamed_microstep_mean():
     """The per-rank pattern keeps its name on every fixture and layout where it was named."""
     for fixture_name in BUILTIN_FIXTURES:
         fixture = builtin_fixture(fixture_name)
@@ -296,4 +296,4 @@ def test_microbatch_mean_is_never_renamed_global_microbatch_mean():
                 continue
             grads = loss_and_grad(fixture, "microbatch_mean", R, M).grads
             d = diagnose(fixture, R, M, grads, "token_mean")
-            assert "global-microbatch-mean" not in d.matches, (fixture_name, R, M, d.matches)
+            assert "microstep-mean" not in d.matches, (fixture_name, R, M, d.matches)

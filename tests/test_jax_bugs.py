@@ -22,8 +22,8 @@ from bug_predictions import (
     LOGGED_DENOMINATOR,
     TOKEN_MEAN_SCALE,
     counts,
-    global_microbatch_mean_weights,
     local_group_count_weights,
+    microstep_mean_weights,
 )
 
 from crosscheck.bugs import jax_bugs
@@ -153,12 +153,12 @@ def test_local_means_are_the_oracles_accidental_schemes(pattern: str) -> None:
         assert tree_rel_err(want.grads, _token_mean(run).grads).max_rel_err > 1e-3
 
 
-def test_global_microbatch_mean_weighs_each_microbatch_by_its_count_over_ranks() -> None:
-    runs = [r for r in CATALOGUE if r.pattern == "global-microbatch-mean"]
+def test_microstep_mean_weighs_each_microbatch_by_its_count_over_ranks() -> None:
+    runs = [r for r in CATALOGUE if r.pattern == "microstep-mean"]
     assert runs
     for run in runs:
         f, R, M = builtin_fixture(run.fixture), run.world_size, run.accum_steps
-        want = _grad(f, global_microbatch_mean_weights(f.name, R, M))
+        want = _grad(f, microstep_mean_weights(f.name, R, M))
         _assert_close(run, bug_output(run).grads, want)
         # The layout tells it from the intended token mean and from microbatch-mean.
         for scheme in ("token_mean", "microbatch_mean"):

@@ -17,8 +17,8 @@ from bug_predictions import (
     LOGGED_DENOMINATOR,
     TOKEN_MEAN_SCALE,
     counts,
-    global_microbatch_mean_weights,
     local_group_count_weights,
+    microstep_mean_weights,
 )
 
 from crosscheck.bugs import torch_bugs
@@ -93,8 +93,8 @@ def predicted_grads(bug_run: BugRun, logged: float) -> Grads:
     if bug_run.pattern == "local-group-count":
         c = local_group_count_weights(fixture.name, R, M)
         return weighted_grad(fixture.params(), fixture.inputs, fixture.targets, c)
-    if bug_run.pattern == "global-microbatch-mean":
-        c = global_microbatch_mean_weights(fixture.name, R, M)
+    if bug_run.pattern == "microstep-mean":
+        c = microstep_mean_weights(fixture.name, R, M)
         return weighted_grad(fixture.params(), fixture.inputs, fixture.targets, c)
     raise AssertionError(f"no prediction for {bug_run.pattern!r}")
 
@@ -114,7 +114,7 @@ def test_every_pattern_has_torch_runs_and_a_prediction() -> None:
     assert {*LOGGED_DENOMINATOR, "float32-count"} == every
     predicted = {*TOKEN_MEAN_SCALE, *AS_SCHEME, "float32-count", "clip-per-microbatch", RANK_SKEW}
     # zero-count-nan's gradient is NaN, checked by its own test.
-    assert predicted | {"local-group-count", "global-microbatch-mean", "zero-count-nan"} == every
+    assert predicted | {"local-group-count", "microstep-mean", "zero-count-nan"} == every
 
 
 FINITE_RUNS = [r for r in RUNS if r.pattern != "zero-count-nan"]

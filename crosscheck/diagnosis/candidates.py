@@ -9,7 +9,7 @@ would log. Relative to the intended scheme's weights :math:`w^I_t = a_t / D`
 ====================== ======================================================================
 rank-mean              :math:`a_t / (R\, D_r)` (each rank normalizes locally, ranks averaged)
 microbatch-mean        :math:`a_t / (R M\, d_{rm})` (each microbatch normalizes locally)
-global-microbatch-mean :math:`a_t / (M \sum_r d_{rm})` (each microbatch normalizes over all
+microstep-mean :math:`a_t / (M \sum_r d_{rm})` (each microbatch normalizes over all
                        ranks); where every rank of each microbatch holds the same d_rm it is
                        microbatch-mean, and is left to that name
 missing-world-size     :math:`w^I / R`, logs D
@@ -103,7 +103,7 @@ def _divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
 
 
 def local_mean_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
-    """rank-mean, microbatch-mean and global-microbatch-mean of the intended scheme's own
+    """rank-mean, microbatch-mean and microstep-mean of the intended scheme's own
     (a_t, d)."""
     d = _local_denominators(intended, batch)
     if d is None:
@@ -128,14 +128,14 @@ def local_mean_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candida
     per_step = d.sum(axis=0)
     w = _divide(a, per_step[None, :, None, None]) / M
     same_counts = bool(np.all(d == d[:1]))
-    global_microbatch_mean = Candidate(
-        "global-microbatch-mean",
+    microstep_mean = Candidate(
+        "microstep-mean",
         "pattern",
         batch.to_global(w),
         float(per_step[-1]),
         degenerate=R == 1 or M == 1 or same_counts,
     )
-    return [rank_mean, microbatch_mean, global_microbatch_mean]
+    return [rank_mean, microbatch_mean, microstep_mean]
 
 
 def scale_candidates(

@@ -183,12 +183,12 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
             f"{PATTERNS['microbatch-mean'].upstream})."
         )
         fix = PATTERNS[best].fix
-    elif best == "global-microbatch-mean":
+    elif best == "microstep-mean":
         skew = _skew(d, lambda g: g.microbatch, lambda m: f"microbatch {m}")
         text = (
             f"{_capitalized(skew)}, on every rank alike: each accumulation microbatch took "
             "its token mean over all ranks and the microbatches were averaged "
-            f"(global-microbatch-mean; {PATTERNS[best].upstream})."
+            f"(microstep-mean; {PATTERNS[best].upstream})."
         )
         fix = PATTERNS[best].fix
     elif best in PATTERNS:

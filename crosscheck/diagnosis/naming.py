@@ -8,7 +8,7 @@ is given only when one explanation is *minimal*:
   (packed-as-one is row_mean's weighting, named for why it happens);
 * a family (``crosscheck.diagnosis.families``) is dropped when something it contains fits too: the
   scale family contains every scale pattern, rank-skew contains rank-mean and the scale
-  family, microbatch-skew contains microbatch-mean, global-microbatch-mean,
+  family, microbatch-skew contains microbatch-mean, microstep-mean,
   clip-per-microbatch and rank-skew;
 * a pattern whose signature is a reweighting (rank-mean, microbatch-mean, ...) is *not*
   contained in the scale family: where a plain scale fits as well, the layout did not show

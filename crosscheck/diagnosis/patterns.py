@@ -92,7 +92,7 @@ microbatch-mean
         (reduction="sum") and divide by the valid tokens of the whole accumulation window on all
         ranks, counted before the first backward (times R under DDP's averaging)
 
-global-microbatch-mean
+microstep-mean
     intended: token_mean
     signature: microbatch
     # R > 1 and M > 1, where the ranks' counts differ inside a microbatch and the global

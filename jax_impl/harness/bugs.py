@@ -135,9 +135,7 @@ def microbatch_mean(params: Params, batch: Microbatch, state: State, ctx: StepCo
     return WindowOut(updates, n_last, state)
 
 
-def global_microbatch_mean(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def microstep_mean(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
     r"""optax.MultiSteps (``use_grad_mean=True``) fed the gradient of each micro-step's token
     mean over the *global* microbatch, as ``jax.jit`` over a batch sharded on "data" computes
     it (the optax gradient accumulation guide's mean loss; transformers#34191 is the per-rank
@@ -362,8 +360,8 @@ BUG_STEPS: dict[str, BugStep] = {
     "microbatch-mean": BugStep(
         microbatch_mean, lambda params, ctx: _multisteps(params, ctx).init(params)
     ),
-    "global-microbatch-mean": BugStep(
-        global_microbatch_mean, lambda params, ctx: _multisteps(params, ctx).init(params)
+    "microstep-mean": BugStep(
+        microstep_mean, lambda params, ctx: _multisteps(params, ctx).init(params)
     ),
     "missing-world-size": BugStep(missing_world_size),
     "double-world-size": BugStep(double_world_size),

@@ -71,10 +71,8 @@ def microbatch_mean(model: nn.Module, microbatches: Sequence[TokenBatch], window
     return float(microbatches[-1].valid.sum())
 
 
-def global_microbatch_mean(
-    model: nn.Module, microbatches: Sequence[TokenBatch], window: Window
-) -> float:
-    r"""global-microbatch-mean: each microbatch's own count, all-reduced, divided by M.
+def microstep_mean(model: nn.Module, microbatches: Sequence[TokenBatch], window: Window) -> float:
+    r"""microstep-mean: each microbatch's own count, all-reduced, divided by M.
 
     Before each microbatch's backward the loop all-reduces that microbatch's valid count,
     :math:`n_m = \sum_r n_{rm}`, and backpropagates :math:`R \sum_{t \in (r, m)} v_t l_t /
@@ -321,7 +319,7 @@ def rank_skew(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wind
 WINDOW_STEPS: dict[str, WindowStep] = {
     "rank-mean": rank_mean,
     "microbatch-mean": microbatch_mean,
-    "global-microbatch-mean": global_microbatch_mean,
+    "microstep-mean": microstep_mean,
     "missing-world-size": missing_world_size,
     "double-world-size": double_world_size,
     "double-accum-scale": double_accum_scale,

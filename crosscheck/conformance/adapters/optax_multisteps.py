@@ -42,7 +42,7 @@ means *is* the large-batch mean.
 step the guide promises to mimic; the docs show that equality only for microbatches of equal
 counts, so with a token-mean loss over microbatches of unequal valid-token counts the expected
 verdict is the average of microbatch means (microbatch-mean, or under jit its
-per-global-microbatch form, global-microbatch-mean), i.e. documented behaviour, not an optax
+per-global-microbatch form, microstep-mean), i.e. documented behaviour, not an optax
 bug. ``use_grad_mean=False``: the docs only promise "summed"; the intended scheme is still
 ``token_mean`` (a summing MultiSteps is the tool for a loss normalized by the whole window:
 ``examples/jax_optax_float32.py``), and with a per-microbatch mean loss the sum is M times the
@@ -53,7 +53,7 @@ every setting is exact (float64-exact) at M = 1 wherever the mean is taken over 
 microbatch, and none is token_mean at M = 2. With n_rm the valid targets of rank r's
 microbatch m, n_m = sum_r n_rm and N = sum n_rm, a token's weight is
 
-* ``step_jit_mean``, ``step_nnx_mean``: 1 / (M n_m): global-microbatch-mean (at R = 1 it
+* ``step_jit_mean``, ``step_nnx_mean``: 1 / (M n_m): microstep-mean (at R = 1 it
   coincides with microbatch-mean, the name kept there);
 * ``step_jit_sum``, ``step_nnx_sum``: 1 / n_m, M times that: microbatch-skew at M = 2;
 * ``step_shard_map_mean``: 1 / (R M n_rm): rank-mean at M = 1, microbatch-mean at M = 2 (the

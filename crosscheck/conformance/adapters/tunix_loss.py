@@ -45,7 +45,7 @@ what the code reading predicts for a scheme whose count belongs to the whole upd
 What ``crosscheck verify`` says (packed, ragged; R in 1, 2; M in 1, 2; float32-level): at M = 1
 every mode matches its scheme, at R = 2 too (the GSPMD loss counts every device's rows); at
 M = 2 every mode whose counts differ between the microbatches fails: one factor per global
-microbatch, the same on every rank, named global-microbatch-mean where the intended scheme is
+microbatch, the same on every rank, named microstep-mean where the intended scheme is
 a named one (token_mean, row_mean), and by its family, microbatch-skew, for a spec. Only
 ``sequence-mean-token-scale`` on packed (every microbatch the same T x rows) passes at M = 2.
 Upstream: google/tunix#1744 (open: "Normalizing each microbatch independently biases gradients
