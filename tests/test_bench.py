@@ -104,9 +104,10 @@ def test_cuda_is_refused_where_torch_sees_too_few_gpus(capsys):
     if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
         pytest.fail("this test checks the refusal on a machine with fewer than 2 GPUs")
     code = main(["bench", "--device", "cuda", "--ranks", "2"])
-    out = capsys.readouterr().out
-    assert code == exit_codes.SETUP_ERROR
-    assert "--ranks 2 needs 2 GPUs, torch sees" in " ".join(out.split())
+    captured = capsys.readouterr()
+    assert code == exit_codes.SETUP_ERROR and captured.out == ""
+    [line] = captured.err.splitlines()  # one line on stderr, however long
+    assert line.startswith("crosscheck bench: ") and "--ranks 2 needs 2 GPUs, torch sees" in line
 
 
 def test_a_framework_not_installed_or_no_ranks_is_one_setup_error(monkeypatch, capsys):
@@ -122,10 +123,16 @@ def test_a_framework_not_installed_or_no_ranks_is_one_setup_error(monkeypatch, c
     finally:
         implementations.not_installed.cache_clear()
     assert code == exit_codes.SETUP_ERROR
-    assert "jax is not installed here (pip install 'gradweight[jax]')" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert line.startswith("crosscheck bench: ")
+    assert "jax is not installed here (pip install 'gradweight[jax]')" in line
     monkeypatch.undo()
     assert main(["bench", "--ranks", "0"]) == exit_codes.SETUP_ERROR
-    assert "--ranks must be at least 1, got 0" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == ["crosscheck bench: --ranks must be at least 1, got 0"]
 
 
 def test_the_ratio_is_the_median_of_per_round_ratios_not_a_ratio_of_medians():

@@ -96,14 +96,19 @@ def test_run_filters_fixtures_schemes_and_layouts(tmp_path):
 
 def test_run_refuses_an_unknown_scheme_with_the_known_ones():
     completed = run_crosscheck("run", "--schemes", "mean", timeout=60)
-    assert completed.returncode != 0
-    assert "unknown scheme 'mean'" in completed.stderr + completed.stdout
+    assert completed.returncode == 2
+    # A set-up error: one line on stderr, nothing on stdout (where results go).
+    [line] = completed.stderr.splitlines()
+    assert line.startswith("crosscheck run: ") and "unknown scheme 'mean'" in line
+    assert completed.stdout == ""
 
 
 def test_run_refuses_an_unknown_implementation():
     completed = run_crosscheck("run", "--impls", "jax-xla", timeout=60)
     assert completed.returncode == 2
-    assert "unknown implementation 'jax-xla'" in completed.stdout
+    [line] = completed.stderr.splitlines()
+    assert line.startswith("crosscheck run: ") and "unknown implementation 'jax-xla'" in line
+    assert completed.stdout == ""
 
 
 def test_run_refuses_a_world_size_that_divides_no_named_fixture():

@@ -71,6 +71,15 @@ def _main(capsys, *argv: str) -> tuple[int, list[str]]:
     return code, (captured.out + captured.err).strip().splitlines()
 
 
+def _refused(capsys, *argv: str) -> tuple[int, list[str]]:
+    """A refused `crosscheck ARGV` in this process: its exit status and the lines it printed
+    on stderr; stdout, where results go, holds nothing."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    assert captured.out == "", (argv, captured.out)
+    return code, captured.err.splitlines()
+
+
 def _marked(marker: str) -> list[tuple[int, str]]:
     """Live processes (zombies are gone) whose environment holds MARKER=marker."""
     needle = f"{MARKER}={marker}".encode()
@@ -300,7 +309,7 @@ def test_output_paths_are_checked_before_any_work(
         ),
     ]
     for argv, line in cases:
-        code, lines = _main(capsys, *argv)
+        code, lines = _refused(capsys, *argv)
         assert code == exit_codes.SETUP_ERROR, (argv, lines)
         assert lines == [line], argv
     assert afile.read_text() == "not a directory"
@@ -342,9 +351,9 @@ def test_a_step_that_does_not_exist_is_one_setup_error(framework, tmp_path):
         proc = _cli(*base, "--step", step, cwd=tmp_path, timeout=60)
         took = time.monotonic() - started
         assert proc.returncode == exit_codes.SETUP_ERROR, proc.stdout + proc.stderr
-        # Once, as one line: never a row per case, never a "does NOT match".
-        assert proc.stdout.splitlines() == [f"crosscheck verify: --step {step}: {why}"]
-        assert proc.stderr == ""
+        # Once, as one line on stderr: never a row per case, never a "does NOT match".
+        assert proc.stderr.splitlines() == [f"crosscheck verify: --step {step}: {why}"]
+        assert proc.stdout == ""
         assert took < 30, took  # no runner was started (a torch launch alone takes longer)
 
 
@@ -456,7 +465,7 @@ def test_export_refuses_a_non_empty_directory_without_force(tmp_path, capsys):
     target.mkdir()
     (target / "manifest.json").write_text('{"mine": true}')
     (target / "notes.txt").write_text("keep me")
-    code, lines = _main(capsys, "export-vectors", str(target))
+    code, lines = _refused(capsys, "export-vectors", str(target))
     assert code == exit_codes.SETUP_ERROR
     assert lines == [
         f"crosscheck export-vectors: {target} is not empty (it holds manifest.json, notes.txt):"

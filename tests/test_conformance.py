@@ -146,7 +146,9 @@ def test_differing_rows_fail_and_rows_that_could_not_run_are_exit_3():
 def test_set_up_errors_are_refused_before_anything_runs(argv, message, capsys):
     assert main(["conformance", *argv]) == exit_codes.SETUP_ERROR
     out = capsys.readouterr()
-    assert message in out.out + out.err
+    assert out.out == ""  # a set-up error: one line on stderr, nothing where results go
+    [line] = out.err.splitlines()
+    assert line.startswith("crosscheck conformance: ") and message in line
 
 
 def test_a_named_framework_that_is_not_installed_is_refused(monkeypatch, capsys):
@@ -156,8 +158,10 @@ def test_a_named_framework_that_is_not_installed_is_refused(monkeypatch, capsys)
     )
     assert main(["conformance", "--framework", "trl"]) == exit_codes.SETUP_ERROR
     out = capsys.readouterr()
-    assert "trl not installed" in out.out + out.err
-    assert "gradweight[hf]" in out.out + out.err
+    assert out.out == ""
+    [line] = out.err.splitlines()
+    assert line.startswith("crosscheck conformance: --framework trl: ")
+    assert "trl not installed" in line and "gradweight[hf]" in line
 
 
 def test_listed_rows_run_nothing_and_say_why(tmp_path):

@@ -331,5 +331,7 @@ def test_run_verify_and_bugs_take_a_fixture_file_from_the_command_line(tmp_path:
     with open(mine, "r+b") as f:
         f.truncate(100)
     cut = _cli("run", "--fixture", "mine.npz", "--impls", "oracle", cwd=tmp_path)
-    assert cut.returncode == 2, cut.stdout[-2000:]
-    assert f"fixture file {mine} is not a readable .npz" in cut.stdout
+    assert cut.returncode == 2, cut.stdout[-2000:] + cut.stderr[-2000:]
+    assert cut.stdout == ""  # a set-up error: one line on stderr, nothing where results go
+    [line] = cut.stderr.splitlines()
+    assert line.startswith(f"crosscheck run: fixture file {mine} is not a readable .npz")

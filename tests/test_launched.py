@@ -316,8 +316,13 @@ def test_a_jax_platform_sets_the_workers_jax_platforms() -> None:
 
 
 def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line a refused command printed on stderr ('' for none); stdout holds nothing."""
     assert main(argv) == exit_codes.SETUP_ERROR
-    return " ".join(capsys.readouterr().out.split())
+    captured = capsys.readouterr()
+    assert captured.out == "", captured.out
+    lines = captured.err.splitlines()
+    assert len(lines) <= 1, lines
+    return lines[0] if lines else ""
 
 
 def test_an_accelerator_that_is_not_here_is_refused_before_any_process(

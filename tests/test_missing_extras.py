@@ -44,6 +44,14 @@ def _main(capsys, *argv: str) -> tuple[int, list[str]]:
     return code, (captured.out + captured.err).strip().splitlines()
 
 
+def _refused(capsys, *argv: str) -> tuple[int, list[str]]:
+    """A refused command: its exit status and its lines on stderr; nothing on stdout."""
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    assert captured.out == "", (argv, captured.out)
+    return code, captured.err.splitlines()
+
+
 def test_a_default_run_skips_what_is_not_installed_and_says_why(absent, capsys, tmp_path):
     absent("torch", "jax")
     report = tmp_path / "run.json"
@@ -69,7 +77,7 @@ def test_a_default_run_skips_what_is_not_installed_and_says_why(absent, capsys, 
 
 def test_an_implementation_asked_for_by_name_is_refused_when_not_installed(absent, capsys):
     absent("jax")
-    code, lines = _main(
+    code, lines = _refused(
         capsys, "run", "--impls", "oracle,torch-ddp,jax-pmap", "--fixture", "packed"
     )
     assert code == exit_codes.SETUP_ERROR
@@ -82,7 +90,7 @@ def test_an_implementation_asked_for_by_name_is_refused_when_not_installed(absen
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_verify_without_the_framework_is_one_setup_error(absent, capsys, framework):
     absent(framework)
-    code, lines = _main(
+    code, lines = _refused(
         capsys,
         *("verify", "--framework", framework, "--scheme", "token_mean"),
         *("--step", "examples.torch_torchtitan:step"),
@@ -96,7 +104,7 @@ def test_verify_without_the_framework_is_one_setup_error(absent, capsys, framewo
 
 def test_a_partial_jax_install_names_the_missing_module(absent, capsys):
     absent("orbax")
-    code, lines = _main(
+    code, lines = _refused(
         capsys,
         *("verify", "--framework", "jax", "--scheme", "token_mean"),
         *("--step", "examples.jax_pmap_mean:step"),
@@ -109,7 +117,7 @@ def test_a_partial_jax_install_names_the_missing_module(absent, capsys):
 
 def test_bugs_without_a_framework_names_it_and_the_way_around(absent, capsys):
     absent("jax")
-    code, lines = _main(capsys, "bugs")
+    code, lines = _refused(capsys, "bugs")
     assert code == exit_codes.SETUP_ERROR
     assert lines == [
         "crosscheck bugs: jax is not installed here (pip install 'gradweight[jax]'), or pass "
@@ -119,7 +127,7 @@ def test_bugs_without_a_framework_names_it_and_the_way_around(absent, capsys):
 
 def test_plot_without_matplotlib_is_refused_before_the_run(absent, capsys, tmp_path):
     absent("matplotlib")
-    code, lines = _main(
+    code, lines = _refused(
         capsys, "run", "--impls", "oracle", "--fixture", "packed", "--plot", str(tmp_path / "w.png")
     )
     assert code == exit_codes.SETUP_ERROR

@@ -168,4 +168,7 @@ def test_the_cli_takes_strict_and_refuses_a_contradiction(tmp_path):
     record = json.loads((tmp_path / "strict.json").read_text())
     assert record["precision"] == "float64" and record["precision_requested"] == "float64"
     both = verify_cli("--strict", "--precision", "float32")
-    assert both.returncode == 2 and "--strict is --precision float64" in both.stdout
+    assert both.returncode == 2 and both.stdout == ""
+    assert both.stderr.splitlines() == [
+        "crosscheck verify: --strict is --precision float64, not float32"
+    ]

@@ -106,5 +106,7 @@ def test_a_scheme_reference_that_names_nothing_is_a_setup_error(tmp_path):
         text=True,
         timeout=120,
     )
-    assert completed.returncode == 2
-    assert "scheme 'no_such_module:SPEC': cannot import 'no_such_module'" in completed.stdout
+    assert completed.returncode == 2 and completed.stdout == ""
+    [line] = completed.stderr.splitlines()
+    assert line.startswith("crosscheck verify: ")
+    assert "scheme 'no_such_module:SPEC': cannot import 'no_such_module'" in line

@@ -17,9 +17,9 @@ import os
 import time
 
 from rich.console import Console
-from rich.markup import escape
 
 from crosscheck import exit_codes
+from crosscheck.cli.outputs import refuse
 from crosscheck.cli.verify_report import verify_exit_code, write_verify_report
 from crosscheck.launch.devices import resolve_torch_device
 from crosscheck.launch.external import LauncherError, jax_multihost, torch_launch
@@ -33,9 +33,9 @@ def default_accum(world_size: int) -> list[int]:
 
 
 def _refuse(console: Console, rank: int, message: str) -> int:
-    if rank == 0:  # every rank found the same: one copy of the line
-        console.print(f"[red]crosscheck verify: {escape(message)}[/]", soft_wrap=True)
-    return exit_codes.SETUP_ERROR
+    if rank != 0:  # every rank found the same: one copy of the line, on stderr
+        return exit_codes.SETUP_ERROR
+    return refuse(console, f"crosscheck verify: {message}")
 
 
 def launched_verify(args: argparse.Namespace, console: Console) -> int | None:

@@ -1,12 +1,18 @@
 """Set-up errors of the command line: output paths that cannot be written, and the refusal.
 
-Every command checks the files it will write (``--json``, ``--log``, ``--plot``, the export
-directory) before any work starts, without creating or changing anything (`check_outputs`),
-and refuses a set-up error with one line and exit status 2 (`refuse`).
+Every command checks the files it will write (``--json``, ``--log``, ``--plot``,
+``--markdown``, the export directory) before any work starts, without creating or changing
+anything (`check_outputs`), and refuses a set-up error with one line on stderr and exit
+status 2 (`refuse`): errors go to stderr, results to stdout, in every command.
+
+An output file's option is read by `output_file`, which keeps what `pathlib` drops: a path
+written with a trailing separator (``--json out/``) names a directory, and is refused rather
+than written as a file named ``out``.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -14,6 +20,32 @@ from rich.console import Console
 from rich.markup import escape
 
 from crosscheck import exit_codes
+
+#: The separators a path may end with here ('/' everywhere, '\\' too on Windows).
+SEPARATORS = tuple(dict.fromkeys(sep for sep in ("/", os.sep, os.altsep) if sep))
+
+
+class OutputFile(type(Path())):  # type: ignore[misc]  # PosixPath or WindowsPath
+    """The Path of an output file's option, with the text it was written as (`as_written`).
+
+    `Path("out/")` is `Path("out")`: without the text, ``--json out/`` would silently write
+    a file named ``out``. Paths derived from it (``.parent``, ``/``) keep the class, not the
+    text: their `as_written` is empty.
+    """
+
+    as_written = ""
+
+    @property
+    def names_directory(self) -> bool:
+        """Written with a trailing separator: the user named a directory, not a file."""
+        return self.as_written.endswith(SEPARATORS)
+
+
+def output_file(text: str) -> Path:
+    """The argparse type of an output file's option (``--json``, ``--log``, ...)."""
+    path = OutputFile(text)
+    path.as_written = text
+    return path
 
 
 def output_problem(path: Path) -> str:
@@ -23,6 +55,11 @@ def output_problem(path: Path) -> str:
     Creating a file in the nearest directory that exists (a temporary one, removed at once)
     is the test: permission bits alone say nothing for root, nor for a read-only mount.
     """
+    if getattr(path, "names_directory", False):
+        return (
+            "it ends with a path separator, so it names a directory; name the file to write "
+            f"(for example {path / 'report.json'})"
+        )
     if path.is_dir():
         return "it is a directory"
     if path.exists():
@@ -58,13 +95,26 @@ def check_outputs(command: str, outputs: dict[str, Path | None]) -> str:
     for option, path in outputs.items():
         if path is None:
             continue
-        problem = output_problem(Path(path))
+        problem = output_problem(path if isinstance(path, Path) else Path(path))
         if problem:
-            return f"crosscheck {command}: {option} {path} cannot be written: {problem}"
+            written = getattr(path, "as_written", "") or path
+            return f"crosscheck {command}: {option} {written} cannot be written: {problem}"
     return ""
 
 
 def refuse(console: Console, line: str) -> int:
-    """Print a set-up error (one line, whatever the terminal's width) and return its code."""
-    console.print(f"[red]{escape(line)}[/]", soft_wrap=True)
+    """Print a set-up error on stderr and return its code (`crosscheck.exit_codes`).
+
+    `console` is the command's output (stdout): a quiet one (a launched job's rank other than
+    0, whose lines rank 0 prints) prints nothing here either.
+    """
+    if not console.quiet:
+        print_error(line)
     return exit_codes.SETUP_ERROR
+
+
+def print_error(line: str) -> None:
+    """One line on stderr, whatever the terminal's width (red where stderr is a terminal)."""
+    # A console per line: it writes to the sys.stderr of the moment (pytest's capture too).
+    errors = Console(stderr=True, soft_wrap=True, highlight=False)
+    errors.print(f"[red]{escape(line)}[/]")

@@ -13,6 +13,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from crosscheck.cli.outputs import output_file
 from crosscheck.contract.cases import STRATEGIES
 from crosscheck.fixtures.builtin import fixture_reference
 from crosscheck.launch.devices import JAX_PLATFORMS, TORCH_DEVICES
@@ -110,9 +111,13 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         help="skip the multi-term objective rows (off anyway with --fixture or --schemes)",
     )
     run.add_argument("--rows", choices=("group", "case"), default="group")
-    run.add_argument("--json", type=Path, help="write every row as JSON here")
-    run.add_argument("--log", type=Path, help="write per-rank per-update metrics as JSONL here")
-    run.add_argument("--plot", type=Path, help="write a PNG of effective per-token weights here")
+    run.add_argument("--json", type=output_file, help="write every row as JSON here")
+    run.add_argument(
+        "--log", type=output_file, help="write per-rank per-update metrics as JSONL here"
+    )
+    run.add_argument(
+        "--plot", type=output_file, help="write a PNG of effective per-token weights here"
+    )
     run.add_argument(
         "--timings", action="store_true", help="also print when each job (process group) ran"
     )
@@ -132,7 +137,7 @@ def _add_bugs(commands: argparse._SubParsersAction) -> None:
         type=_fixture_list,
         help="run every pattern on these fixtures instead (built-in names or .npz paths)",
     )
-    bugs.add_argument("--json", type=Path, help="write the results as JSON here")
+    bugs.add_argument("--json", type=output_file, help="write the results as JSON here")
 
 
 def _add_export(commands: argparse._SubParsersAction) -> None:
@@ -205,7 +210,7 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         help="MODULE:FN giving the reference the logits of --model on a batch (torch: "
         "fn(model, microbatch); JAX: fn(apply_fn, params, microbatch)); default: model(inputs)",
     )
-    verify.add_argument("--json", type=Path, help="write the report as JSON here")
+    verify.add_argument("--json", type=output_file, help="write the report as JSON here")
     _add_placement(verify)
     _add_multihost(verify)
 
@@ -222,7 +227,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "bench",
         help="time naive, precount and fused loss weighting on a small transformer (torch, JAX)",
     )
-    bench.add_argument("--json", type=Path, help="write the results as JSON here")
+    bench.add_argument("--json", type=output_file, help="write the results as JSON here")
     bench.add_argument(
         "--quick", action="store_true", help="a few rounds of a small batch (checks it runs)"
     )
@@ -251,9 +256,9 @@ def _add_conformance(commands: argparse._SubParsersAction) -> None:
     conformance.add_argument(
         "--setting", type=_name_list, help="only these settings (comma-separated; default: all)"
     )
-    conformance.add_argument("--json", type=Path, help="write every row as JSON here")
+    conformance.add_argument("--json", type=output_file, help="write every row as JSON here")
     conformance.add_argument(
-        "--markdown", type=Path, help="write the table as docs/conformance.md publishes it"
+        "--markdown", type=output_file, help="write the table as docs/conformance.md publishes it"
     )
 
 

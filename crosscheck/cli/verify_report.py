@@ -15,10 +15,10 @@ import math
 import time
 
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from crosscheck import exit_codes
+from crosscheck.cli.outputs import refuse
 from crosscheck.cli.report import fitted, time_figures
 from crosscheck.diagnosis.verdict import LEVEL_NAMES
 from crosscheck.launch.cpu_time import cpu_seconds
@@ -127,10 +127,9 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
     started = time.perf_counter()
     precision = "float64" if args.strict else args.precision
     if args.strict and args.precision not in ("auto", "float64"):
-        console.print(
-            f"[red]crosscheck verify: --strict is --precision float64, not {args.precision}[/]"
+        return refuse(
+            console, f"crosscheck verify: --strict is --precision float64, not {args.precision}"
         )
-        return exit_codes.SETUP_ERROR
     try:
         with console.status(f"running {args.step} in {args.framework} processes"):
             report = verify(
@@ -149,9 +148,7 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
                 forward=args.forward,
             )
     except ValueError as error:  # StepSetupError included: refused before any process started
-        # One line, whatever the terminal's width: soft_wrap leaves the wrapping to it.
-        console.print(f"[red]crosscheck verify: {escape(str(error))}[/]", soft_wrap=True)
-        return exit_codes.SETUP_ERROR
+        return refuse(console, f"crosscheck verify: {error}")
     wall = time.perf_counter() - started
     cpu = cpu_seconds()
     write_verify_report(

@@ -44,6 +44,39 @@ class FixtureError(ValueError):
 _UNREADABLE = (OSError, EOFError, ValueError, zipfile.BadZipFile)
 
 
+#: The first bytes of an .npy file, and those a zip archive (an .npz) may start with: a local
+#: file header, or the end-of-directory record of an empty archive.
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def _not_a_zip(head: bytes) -> str:
+    """Why a file starting with `head` (neither a zip nor an .npy) is no fixture file."""
+    if not head:
+        return "the file is empty"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "it is a Python pickle, and fixture files are never unpickled"
+    return (
+        "it does not start as an .npz (a zip archive) does; a fixture file is an .npz "
+        "written by Fixture.save"
+    )
+
+
+def _pickled(archive: np.lib.npyio.NpzFile, key: str) -> bool:
+    """Whether the member `key` of `archive` holds Python objects (an object dtype)."""
+    npy_format = np.lib.format
+    try:
+        with archive.zip.open(f"{key}.npy") as member:
+            version = npy_format.read_magic(member)
+            if version == (1, 0):
+                _, _, dtype = npy_format.read_array_header_1_0(member)
+            else:
+                _, _, dtype = npy_format.read_array_header_2_0(member)
+    except (*_UNREADABLE, KeyError):  # a damaged header: not known to hold objects
+        return False
+    return bool(dtype.hasobject)
+
+
 def _frozen_copy(value: np.ndarray) -> np.ndarray:
     array = np.array(value, copy=True)
     array.setflags(write=False)
@@ -184,17 +217,24 @@ class Fixture:
         if not path.is_file():
             why = "is a directory" if path.is_dir() else "does not exist"
             raise FixtureError(f"{where} {why}; a fixture file is an .npz written by Fixture.save")
+        unreadable = f"{where} is not a readable .npz (truncated, or not a fixture file): "
+        # What the file is, from its first bytes, before numpy reads it: np.load takes anything
+        # that is neither a zip nor an .npy for a pickle, and says so in its own words.
         try:
-            archive = np.load(path, allow_pickle=False)
-        except _UNREADABLE as exc:
-            raise FixtureError(
-                f"{where} is not a readable .npz (truncated, or not a fixture file): "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if not isinstance(archive, np.lib.npyio.NpzFile):
+            with path.open("rb") as file:
+                head = file.read(len(_NPY_MAGIC))
+        except OSError as exc:
+            raise FixtureError(f"{unreadable}{exc.strerror or exc}") from exc
+        if head.startswith(_NPY_MAGIC):
             raise FixtureError(
                 f"{where} holds a single array (.npy), not an .npz of {list(NPZ_KEYS)}"
             )
+        if not head.startswith(_ZIP_MAGIC):
+            raise FixtureError(unreadable + _not_a_zip(head))
+        try:
+            archive = np.load(path, allow_pickle=False)
+        except _UNREADABLE as exc:
+            raise FixtureError(f"{unreadable}{type(exc).__name__}: {exc}") from exc
         with archive:
             keys = set(archive.files)
             known = set(NPZ_KEYS) | set(ROW_FIELD_KEYS)
@@ -209,6 +249,11 @@ class Fixture:
                 try:
                     arrays[key] = archive[key]
                 except _UNREADABLE as exc:
+                    if _pickled(archive, key):
+                        raise FixtureError(
+                            f"{where}: key {key!r} holds Python objects (pickled data), not "
+                            "numbers; fixture files are read without unpickling anything"
+                        ) from None
                     raise FixtureError(
                         f"{where}: key {key!r} cannot be read (truncated or damaged file): "
                         f"{type(exc).__name__}: {exc}"

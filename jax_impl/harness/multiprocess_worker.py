@@ -257,7 +257,7 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
     spec_sweep = make_shard_map_sweep(spec_configs, mesh) if spec_configs else None
     records = [(device, {"rank": np.asarray(first_rank + i)}) for i, device in enumerate(devices)]
     for case_index, case in enumerate(spec["cases"]):
-        with np.load(case["fixture"]) as archive:
+        with np.load(case["fixture"], allow_pickle=False) as archive:
             arrays = {key: archive[key] for key in archive.files}
         for dtype in spec["dtypes"]:
             laid_out = lay_out_global_batch(
