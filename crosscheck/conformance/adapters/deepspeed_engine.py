@@ -118,6 +118,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 from torch import nn
 
+from crosscheck.conformance.adapters.process_group import adopt_process_group
+
 Microbatch = dict[str, torch.Tensor]
 
 IGNORE_INDEX = -100
@@ -143,15 +145,6 @@ _accelerator.supported_dtypes = _supported_dtypes_with_float64
 # The shm kernel would be compiled on the first TorchBackend (see the module docstring); it is
 # never on the training path, and DeepSpeed's own fallback when it is unavailable is gloo.
 deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
-
-
-def adopt_process_group() -> None:
-    """Tell DeepSpeed where it is: the env vars of the gloo group this rank already joined."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")  # unused: the group exists already
-    os.environ["RANK"] = str(dist.get_rank())
-    os.environ["LOCAL_RANK"] = str(dist.get_rank())
-    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
 
 
 def ds_config(microbatches: list[Microbatch], zero_stage: int) -> dict[str, Any]:

@@ -42,7 +42,6 @@ Set-up choices, none of which touches the normalization:
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -52,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
+from crosscheck.conformance.adapters.process_group import adopt_process_group
 from crosscheck.conformance.adapters.tiny_models import quiet_transformers
 
 quiet_transformers()
@@ -75,15 +75,6 @@ class RowDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return self.rows[index]
-
-
-def adopt_process_group() -> None:
-    """Tell accelerate where it is: the env vars of the gloo group this rank already joined."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")  # unused: the group exists already
-    os.environ["RANK"] = str(dist.get_rank())
-    os.environ["LOCAL_RANK"] = str(dist.get_rank())
-    os.environ["WORLD_SIZE"] = str(dist.get_world_size())
 
 
 #: One row of a microbatch as a dataset item: ``row_of(batch, i)``.

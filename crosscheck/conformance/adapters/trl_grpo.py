@@ -88,6 +88,7 @@ from transformers import PreTrainedModel, PrinterCallback, ProgressCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer import grpo_trainer as grpo_trainer_module
 
+from crosscheck.conformance.adapters.process_group import adopt_process_group
 from crosscheck.conformance.adapters.tiny_models import quiet_transformers, tokenizer
 from crosscheck.conformance.adapters.trl_grpo_specs import MAX_COMPLETION_LENGTH
 from crosscheck.fixtures.groups import GRPO_GROUP_SIZE, GRPO_REWARDS
@@ -286,20 +287,10 @@ def _unshuffled(steps_per_generation: int) -> Iterator[None]:
 
 
 def _distributed_env() -> None:
-    """accelerate reads the job from the environment; the ranks' gloo group already exists,
-    and accelerate reuses an initialized group (it only creates one when there is none)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        MASTER_PORT=os.environ.get("MASTER_PORT", "29500"),
-        HF_HUB_OFFLINE="1",
-        HF_HUB_DISABLE_TELEMETRY="1",
-        TRL_EXPERIMENTAL_SILENCE="1",
-    )
+    """accelerate reads the job from the environment (`adopt_process_group`) and reuses the
+    ranks' initialized gloo group."""
+    adopt_process_group()
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
     # One rank process runs several layouts: a fresh Accelerator for each, same process group.
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
