@@ -249,8 +249,8 @@ def _refusal(args: argparse.Namespace) -> tuple[list[Setting], str]:
     except ValueError as error:
         return [], f"crosscheck conformance: {error}"
     for name in args.framework or []:
-        named = [s for s in chosen if s.framework == name and s.runs]
-        why = next((skipped_reason(s) for s in named if skipped_reason(s)), None)
+        named = (s for s in chosen if s.framework == name and s.runs)
+        why = next((why for s in named if (why := skipped_reason(s))), None)
         if why:
             return [], f"crosscheck conformance: --framework {name}: {why}"
     problem = check_outputs("conformance", {"--json": args.json, "--markdown": args.markdown})
@@ -270,9 +270,10 @@ def conformance_command(args: argparse.Namespace, console: Console) -> int:
     except ExpectationsError as error:
         return refuse(console, f"crosscheck conformance: {error}")
     skipped = [(s, why) for s in chosen if (why := skipped_reason(s))]
+    skipped_keys = {s.key for s, _ in skipped}
     rows: list[Row] = []
     for setting in chosen:
-        if any(setting is s for s, _ in skipped):
+        if setting.key in skipped_keys:
             continue
         with console.status(f"{setting.key}: {setting.title}"):
             rows.append(run_setting(setting, expectations))
