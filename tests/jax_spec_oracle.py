@@ -4,7 +4,9 @@ Every named spec and trainer mode of docs/schemes-as-data.md, plus `EXTRA_SPECS`
 every mask, soft factor, grouping, count scope, denominator kind and scope, on the v2
 fixtures (rollouts: prompt groups over ranks and microbatches, a fully masked row, signed row
 weights, sample masks; continued-documents: documents across rows, microbatches and ranks);
-the expected gradient is ``oracle.weighted_grad`` of the oracle's c_t. Plus layout invariance
+the expected gradient is ``oracle.weighted_grad`` of the oracle's c_t, and of the independent
+reader's (tests/spec_reader.py) for `MIXED_ALPHA_SPECS`, whose weight and denominator alphas
+differ. Plus layout invariance
 of every spec whose objective does not depend on the layout (`layout_invariant`).
 """
 
@@ -21,6 +23,7 @@ from jax_spec_runner import (
     rel_err,
     spec_batch,
 )
+from mixed_alpha_specs import MIXED_ALPHA_SPECS, reader_weights
 
 import jax_impl
 from crosscheck import builtin_fixture
@@ -146,7 +149,8 @@ def layout_invariant(spec: dict) -> bool:
 
 
 def oracle_specs() -> dict[str, dict]:
-    return {**{name: _plain(name) for name in known_spec_names()}, **EXTRA_SPECS}
+    named = {name: _plain(name) for name in known_spec_names()}
+    return {**named, **EXTRA_SPECS, **MIXED_ALPHA_SPECS}
 
 
 def run_oracle() -> list[dict]:
@@ -155,7 +159,7 @@ def run_oracle() -> list[dict]:
     all_specs = oracle_specs()
     grads_by_layout: dict[tuple, dict] = {}
     for front_end, R, M, variants, extra in ORACLE_RUNS:
-        specs = {k: v for k, v in all_specs.items() if extra or k not in EXTRA_SPECS}
+        specs = {k: v for k, v in all_specs.items() if extra or k in known_spec_names()}
         configs = [
             spec_step_config(spec, opt, strategy=s, collective=c)
             for spec in specs.values()
@@ -168,8 +172,10 @@ def run_oracle() -> list[dict]:
             outs = iter(sweep([params] * len(configs), spec_batch(fixture, R, M)))
             laid_out = fixture.layout(R, M)
             for spec_name, spec in specs.items():
-                oracle_spec = get_spec(spec)
-                c = oracle_spec.effective_weights(laid_out).reshape(fixture.targets.shape)
+                if spec_name in MIXED_ALPHA_SPECS:  # held to the independent reader
+                    c = reader_weights(fixture, spec, R, M)
+                else:
+                    c = get_spec(spec).effective_weights(laid_out).reshape(fixture.targets.shape)
                 want = weighted_grad(fixture.params(), fixture.inputs, fixture.targets, c)
                 for s, coll in variants:
                     got = _np(next(outs).grads)

@@ -20,6 +20,7 @@ import optax
 import pytest
 from child_env import ROOT, TESTS, jax_env
 from jax_matrix import RUNNER_XLA_FLAGS
+from mixed_alpha_specs import MIXED_ALPHA_SPECS
 
 import jax_impl
 from crosscheck import builtin_fixture
@@ -206,6 +207,7 @@ def test_every_spec_matches_the_oracle_and_update_scope_is_layout_invariant(
     assert not problems, f"{len(problems)} case(s):\n" + "\n".join(problems[:30])
     oracle = {r["spec"] for r in records if r["part"] == "oracle" and r["variant"] != "invariance"}
     assert set(known_spec_names()) <= oracle and len(oracle) >= len(known_spec_names()) + 20
+    assert set(MIXED_ALPHA_SPECS) <= oracle  # D's alpha apart from the weight's
     invariant = {r["spec"] for r in records if r["variant"] == "invariance"}
     assert {"group_token_mean", "document_mean", "signed_row_weight_mean"} <= invariant
     assert "group_count_microbatch" not in invariant  # a local count is not invariant

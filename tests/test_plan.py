@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from case_fields import case_fields, make_case
 from json_keys import SKIP_KEYS
 
 import crosscheck.run.matrix as matrix
+from crosscheck import builtin_fixture
 from crosscheck.cli.commands import main
 from crosscheck.cli.report import summary_line, write_json
 from crosscheck.contract.cases import Case, SkippedCase
@@ -200,6 +202,25 @@ def test_the_default_plan_builds_and_lists_every_skip_with_its_reason():
         for s in build.skipped
         if s.reason == mean_loss
     )
+
+
+@pytest.mark.parametrize(
+    ("world_sizes", "accum_steps"), [([1, 2, 4], [1, 2]), ([1, 2, 3, 4, 8], [1, 2, 3, 4])]
+)
+def test_the_oracle_gets_exactly_the_layouts_each_fixture_can_take(world_sizes, accum_steps):
+    """Every oracle layout of the plan lays its fixture out, and every asked-for (R, M) that
+    lays it out is there: judged by the fixture's own `layout`, not by the plan's rule."""
+    plan = Plan(world_sizes=world_sizes, accum_steps=accum_steps, resume=False)
+    build = plan.build()
+    assert set(build.oracle_layouts) == set(plan.fixtures) | set(plan.spec_fixtures)
+    for name, layouts in build.oracle_layouts.items():
+        fixture = builtin_fixture(name)
+        takes = set()
+        for R, M in itertools.product(world_sizes, accum_steps):
+            with contextlib.suppress(ValueError):
+                fixture.layout(R, M)
+                takes.add((R, M))
+        assert sorted(layouts) == sorted(takes), (name, layouts, takes)
 
 
 def test_the_summary_line_and_the_json_count_the_skips_by_reason(tmp_path: Path):

@@ -8,10 +8,12 @@ same spec with its group count taken inside a microbatch or rank does not.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import pytest
+from mixed_alpha_specs import MIXED_ALPHA_SPECS, reader_weights
 
 from crosscheck.contract.fixture import NPZ_KEYS, Fixture, FixtureError
 from crosscheck.contract.layout import IGNORE_INDEX
@@ -172,6 +174,20 @@ def test_every_invariant_spec_gives_one_weighting_for_every_layout(fixture_name:
             assert spread == 0, (name, spread)
         else:  # an accidental scheme moves some token's weight by more than 10%
             assert spread > 0.1 * np.max(np.abs(weights[0])), (name, spread)
+
+
+@pytest.mark.parametrize("fixture_name", ["rollouts", "continued-documents", "packed"])
+def test_power_sums_with_their_own_alpha_match_the_independent_reader(fixture_name: str) -> None:
+    """D's exponent is the denominator's, not the weight's: specs where the two differ."""
+    fixture = builtin_fixture(fixture_name)
+    for (R, M), (name, spec) in itertools.product(
+        fixture.valid_layouts(4, 2), MIXED_ALPHA_SPECS.items()
+    ):
+        want = reader_weights(fixture, spec, R, M)
+        got = _weights(fixture, get_spec(spec), R, M)
+        # The same counts to the same powers, summed in another order (math.fsum in both,
+        # but over differently grouped terms): a few ulps of float64.
+        assert np.max(np.abs(got - want)) <= 1e-12 * np.max(np.abs(want)), (name, R, M)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,26 @@ def test_all_at_once_gives_the_bits_of_one_by_one(D: float) -> None:
     assert np.array_equal(together[2].numpy(), grads[2].numpy() / D)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("D", DENOMINATORS)
+def test_every_quotient_is_the_correctly_rounded_quotient_of_the_exact_denominator(
+    dtype: torch.dtype, D: float
+) -> None:
+    """G / D rounded once to the gradient's dtype, D never rounded first: 25165513 (25 bits)
+    divides as itself, not as float32's 25165512. The float64 quotient cast to `dtype` is
+    that once-rounded quotient: float64 carries more than twice the bits of float32 or bf16
+    plus two, so rounding it again cannot differ from rounding the exact quotient."""
+    gen = torch.Generator().manual_seed(1)
+    grad = torch.randn(4097, generator=gen).to(dtype)
+    want = (grad.double() / D).to(dtype)
+    one, together = grad.clone(), [grad.clone()]
+    divide_exactly(one, D)
+    divide_all_exactly(together, D)
+    for got in (one, together[0]):
+        assert got.dtype == dtype
+        assert torch.equal(got, want), (dtype, D, int((got != want).sum()))
+
+
 def test_a_zero_denominator_zeros_every_gradient_never_nan() -> None:
     grads = [torch.ones(5), torch.full((3,), 2.0, dtype=torch.float64)]
     divide_all_exactly(grads, 0.0)

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 import pytest
+from mixed_alpha_specs import MIXED_ALPHA_SPECS, reader_weights
 
 from crosscheck import builtin_fixture
 from crosscheck.contract.fixture import Fixture
@@ -188,6 +189,15 @@ def test_scope_variants_match_the_oracle(fixture: str) -> None:
     for (R, M), spec in itertools.product(layouts(fx), _grid()):
         got = layout_weights(spec, batch_of(fx), R, M).numpy()
         assert_weights(got, oracle_weights(spec, fx, R, M), f"{fixture} R={R} M={M} {spec}")
+
+
+@pytest.mark.parametrize("fixture", V2_FIXTURES)
+def test_power_sums_with_their_own_alpha_match_the_independent_reader(fixture: str) -> None:
+    """D's exponent is the denominator's, not the weight's (tests/mixed_alpha_specs.py)."""
+    fx = builtin_fixture(fixture)
+    for (R, M), (name, spec) in itertools.product(layouts(fx), MIXED_ALPHA_SPECS.items()):
+        got = layout_weights(spec, batch_of(fx), R, M).numpy()
+        assert_weights(got, reader_weights(fx, spec, R, M), f"{fixture} R={R} M={M} {name}")
 
 
 def test_update_scope_specs_are_layout_invariant() -> None:
