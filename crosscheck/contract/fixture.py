@@ -182,6 +182,10 @@ class Fixture:
             **{key: getattr(self, key) for key in ROW_FIELD_KEYS},
         )
 
+    def fits(self, world_size: int, accum_steps: int) -> bool:
+        """Whether the batch lays out over `world_size` ranks x `accum_steps` microbatches."""
+        return Layout(world_size, accum_steps).divides(self.num_rows)
+
     def valid_layouts(
         self, max_world_size: int = 8, max_accum_steps: int = 4
     ) -> list[tuple[int, int]]:
@@ -190,7 +194,7 @@ class Fixture:
             (R, M)
             for R in range(1, max_world_size + 1)
             for M in range(1, max_accum_steps + 1)
-            if self.num_rows % (R * M) == 0
+            if self.fits(R, M)
         ]
 
     def npz_arrays(self) -> dict[str, np.ndarray]:

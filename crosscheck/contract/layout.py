@@ -41,9 +41,14 @@ class Layout:
         """R * M: microbatches in one optimizer update, over all ranks."""
         return self.world_size * self.accum_steps
 
+    def divides(self, num_rows: int) -> bool:
+        """Whether N rows lay out over this layout: N divisible by R M (the one place the
+        rule is written; `crosscheck.contract.fixture.Fixture.fits` asks it)."""
+        return num_rows % self.num_microbatches == 0
+
     def rows_per_microbatch(self, num_rows: int) -> int:
         """B = N / (R M); raises when N is not divisible by R M."""
-        if num_rows % self.num_microbatches:
+        if not self.divides(num_rows):
             raise ValueError(
                 f"a global batch of {num_rows} rows cannot be laid out over "
                 f"world_size={self.world_size} x accum_steps={self.accum_steps}: "

@@ -250,12 +250,12 @@ def serve_job(argv: Sequence[str], work: Callable[[dict], object]) -> int:
 def layout_problem(fixture_name: str, world_size: int, accum_steps: int) -> str:
     """Why a built-in fixture cannot be laid out over `world_size` x `accum_steps`, or ''."""
     try:
-        num_rows = builtin_fixture(fixture_name).num_rows
+        fixture = builtin_fixture(fixture_name)
     except ValueError as error:  # an unknown fixture: the message lists the known ones
         return str(error)
-    if num_rows % (world_size * accum_steps):
+    if not fixture.fits(world_size, accum_steps):
         return (
-            f"the {num_rows} rows of fixture {fixture_name!r} cannot be laid out over "
+            f"the {fixture.num_rows} rows of fixture {fixture_name!r} cannot be laid out over "
             f"world_size={world_size} x accum_steps={accum_steps}"
         )
     return ""

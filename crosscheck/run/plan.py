@@ -9,7 +9,8 @@ explicitly (`Plan.explicit`) runs in no case: a run never passes having checked 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from crosscheck.contract.cases import (
@@ -31,15 +32,28 @@ from crosscheck.run.implementations import (
     not_installed,
     why_unsupported,
 )
-from crosscheck.run.plan_refusal import (
-    DIMENSIONS,
-    WORLD_SIZE_CHANGE_FAMILY,
-    layout_reason,
-    refusal,
-)
 from crosscheck.run.resume import RESUME_RUNNERS, default_cases, starting_cases
 
-__all__ = ["DIMENSIONS", "WORLD_SIZE_CHANGE_FAMILY", "Plan", "PlanBuild", "PlanError"]
+#: Layouts of the same global batch with R x M = 4: losing half the ranks and doubling the
+#: accumulation must not change an intended scheme's update.
+WORLD_SIZE_CHANGE_FAMILY: tuple[tuple[int, int], ...] = ((1, 4), (2, 2), (4, 1))
+
+#: The plan's lists a user can name, in the order a refusal reports them: list -> (the
+#: attribute of a case that holds one of its values, how a message names a value).
+DIMENSIONS: dict[str, tuple[str, str]] = {
+    "fixtures": ("fixture", "fixture {}"),
+    "impls": ("impl", "{}"),
+    "dtypes": ("dtype", "dtype {}"),
+    "strategies": ("strategy", "strategy {}"),
+    "schemes": ("scheme", "scheme {}"),
+    "world_sizes": ("world_size", "world size {}"),
+    "accum_steps": ("accum_steps", "accumulation steps {}"),
+}
+
+
+def layout_reason(fixture: str, num_rows: int) -> str:
+    """Why a layout does not run on a fixture; one sentence per fixture, so skips group."""
+    return f"{fixture} has {num_rows} rows, not divisible by R x M"
 
 
 class PlanError(ValueError):
@@ -168,15 +182,12 @@ class Plan:
 
     def layouts(self, fixture: str) -> list[tuple[int, int]]:
         """The (R, M) of the plan that divide the fixture, plus the world-size-change family."""
-        num_rows = builtin_fixture(fixture).num_rows
-        return [(R, M) for R, M in self.wanted_layouts() if num_rows % (R * M) == 0]
+        return [(R, M) for R, M in self.wanted_layouts() if builtin_fixture(fixture).fits(R, M)]
 
     def oracle_layouts(self, fixture: str) -> list[tuple[int, int]]:
         """The layouts of the oracle's own rows: world sizes x accum steps that divide."""
-        num_rows = builtin_fixture(fixture).num_rows
-        return sorted(
-            (R, M) for R in self.world_sizes for M in self.accum_steps if num_rows % (R * M) == 0
-        )
+        fits = builtin_fixture(fixture).fits
+        return sorted((R, M) for R in self.world_sizes for M in self.accum_steps if fits(R, M))
 
     def planned(self) -> Iterator[tuple[Case, str]]:
         """Every case of the plan's product, with '' when it runs, else why it does not."""
@@ -184,7 +195,7 @@ class Plan:
             if impl == "oracle":
                 continue
             for fixture, schemes in self.schemes_by_fixture().items():
-                num_rows = builtin_fixture(fixture).num_rows
+                data = builtin_fixture(fixture)
                 for R, M in self.wanted_layouts():
                     for scheme in schemes:
                         # An accidental v1 scheme has no strategy: it is the naive loop itself;
@@ -196,8 +207,8 @@ class Plan:
                             [impl], [fixture], [(R, M)], [scheme], strategies, self.dtypes
                         )
                         for case in grid:
-                            if num_rows % (R * M):
-                                yield case, layout_reason(fixture, num_rows)
+                            if not data.fits(R, M):
+                                yield case, layout_reason(fixture, data.num_rows)
                             else:
                                 yield case, why_unsupported(case)
 
@@ -221,13 +232,13 @@ class Plan:
         if "oracle" in self.impls:
             for fixture, schemes in self.schemes_by_fixture().items():
                 oracle_layouts[fixture] = self.oracle_layouts(fixture)
-                num_rows = builtin_fixture(fixture).num_rows
+                data = builtin_fixture(fixture)
                 for R in self.world_sizes:
                     for M in self.accum_steps:
                         for scheme in schemes:
                             case = oracle_case(fixture, scheme, R, M)
-                            if num_rows % (R * M):
-                                why = layout_reason(fixture, num_rows)
+                            if not data.fits(R, M):
+                                why = layout_reason(fixture, data.num_rows)
                                 skipped.append(_skip("layout-invariance", case, why))
                             else:
                                 oracle_cases.append(case)
@@ -271,3 +282,103 @@ class Plan:
 
 def _skip(check: str, case: Case, reason: str) -> SkippedCase:
     return SkippedCase(check=check, reason=reason, **case.coordinates())
+
+
+# -- why a plan is refused -----------------------------------------------------------------
+#
+# `refusal` is `Plan.build`'s last step: a plan that runs nothing, or a value of a list the
+# user named explicitly that runs in no case, is refused with the reason the runners gave for
+# it (most frequent first), or with the layouts that divide none of a fixture's rows.
+
+
+def refusal(plan: Plan, ran: list[Case], skipped: list[SkippedCase], resumes: bool) -> str:
+    """'' when the plan may run, else the one line that says why not.
+
+    Refused: a plan that runs nothing (explained by the first of its values that runs in
+    no case), and a value of an explicit list that runs in no case."""
+    problems = _values_in_no_case(plan, ran, skipped, plan.explicit)
+    if ran and not problems:
+        return ""
+    if not problems:
+        # Nothing runs and nothing named explicitly explains it: the first value of the
+        # plan's own lists that runs nowhere does (every value runs nowhere).
+        problems = _values_in_no_case(plan, ran, skipped, DIMENSIONS)[:1]
+    message = problems[0][1]
+    if len(problems) > 1:
+        message += f" (also in no case: {', '.join(named for named, _ in problems[1:])})"
+    if ran:
+        return message
+    return f"{'only resume rows' if resumes else 'nothing'} to run: {message}"
+
+
+def _values_in_no_case(
+    plan: Plan, ran: list[Case], skipped: list[SkippedCase], names: Iterable[str]
+) -> list[tuple[str, str]]:
+    """(the value as named, why) for each value of the lists `names` that runs nowhere."""
+    problems = []
+    for name, (attribute, label) in DIMENSIONS.items():
+        if name not in names:
+            continue
+        present = {getattr(case, attribute) for case in ran}
+        for value in getattr(plan, name):
+            if value not in present:
+                named = label.format(value)
+                problems.append((named, _never_runs(plan, name, value, named, skipped)))
+    return problems
+
+
+def _never_runs(
+    plan: Plan, name: str, value: object, named: str, skipped: list[SkippedCase]
+) -> str:
+    """Why `value` of the list `name` runs in no case: the runners' reasons (most frequent
+    first) where some layout divides its fixture, else the layouts that divide none."""
+    attribute = DIMENSIONS[name][0]
+    mine = [s for s in skipped if s.check != "resume" and getattr(s, attribute) == value]
+    by_layout = [s for s in mine if _is_layout_skip(s)]
+    runner_reasons = Counter(s.reason for s in mine if not _is_layout_skip(s))
+    layout_reasons = Counter(s.reason for s in by_layout)
+    if name == "fixtures" and mine and len(by_layout) == len(mine):
+        return _no_layout_divides(plan, str(value))
+    # Where a layout divides, the runners' reasons are what keeps the value out; the
+    # layouts that divide nothing would not let it in either.
+    reasons = [r for r, _ in (runner_reasons or layout_reasons).most_common()]
+    if not reasons:
+        if name == "strategies":
+            reasons = [
+                "a strategy applies to an intended scheme on a torch or JAX implementation, "
+                f"and this plan has none (impls {', '.join(plan.impls)}; "
+                f"schemes {', '.join(plan.schemes)})"
+            ]
+        elif name == "dtypes" and set(plan.impls) == {"oracle"}:
+            reasons = ["the oracle runs in float64 only"]
+        else:
+            reasons = [f"no implementation of the plan runs it ({', '.join(plan.impls)})"]
+    return f"{named} runs in no case of this plan: {_join_reasons(reasons)}"
+
+
+def _no_layout_divides(plan: Plan, fixture: str) -> str:
+    """A fixture none of whose asked-for layouts divides its rows: which, and the layouts."""
+    data = builtin_fixture(fixture)
+    num_rows = data.num_rows
+    asked = ", ".join(f"{R} x {M}" for R in plan.world_sizes for M in plan.accum_steps)
+    message = (
+        f"fixture {fixture} has {num_rows} rows, which none of the layouts asked for "
+        f"divides: R x M = {asked} (world sizes {', '.join(map(str, plan.world_sizes))}; "
+        f"accum steps {', '.join(map(str, plan.accum_steps))})"
+    )
+    family_used = plan.world_size_change and set(plan.impls) != {"oracle"}
+    if family_used and not any(data.fits(R, M) for R, M in WORLD_SIZE_CHANGE_FAMILY):
+        family = ", ".join(f"{R} x {M}" for R, M in WORLD_SIZE_CHANGE_FAMILY)
+        message += f", nor the world-size-change layouts {family}"
+    return message
+
+
+def _is_layout_skip(skip: SkippedCase) -> bool:
+    return skip.reason == layout_reason(skip.fixture, builtin_fixture(skip.fixture).num_rows)
+
+
+def _join_reasons(reasons: list[str], most: int = 3) -> str:
+    text = "; ".join(reasons[:most])
+    if len(reasons) > most:
+        text += f"; and {len(reasons) - most} more"
+    return text

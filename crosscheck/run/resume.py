@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import math
 from collections.abc import Callable
 
 from crosscheck.contract.cases import (
@@ -63,7 +62,7 @@ def default_cases(
     """Every scenario of `SCENARIOS` for each starting case of a resumable implementation on
     a fixture whose rows divide among the starting layout's R M."""
     runnable = [impl for impl in impls if impl in RESUME_RUNNERS]
-    dividing = [f for f in fixtures if builtin_fixture(f).num_rows % math.prod(START_LAYOUT) == 0]
+    dividing = [f for f in fixtures if builtin_fixture(f).fits(*START_LAYOUT)]
     return [
         ResumeCase(
             **start.coordinates(),

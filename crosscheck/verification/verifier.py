@@ -88,9 +88,10 @@ def jobs_for(
         layouts = list(DEFAULT_LAYOUTS)
     jobs = []
     for name in names:
-        rows = builtin_fixture(name).num_rows
-        fitting = [(R, M) for R, M in layouts if rows % (R * M) == 0]
-        misfits = [(R, M) for R, M in layouts if rows % (R * M)]
+        fixture = builtin_fixture(name)
+        rows, fits = fixture.num_rows, fixture.fits
+        fitting = [(R, M) for R, M in layouts if fits(R, M)]
+        misfits = [(R, M) for R, M in layouts if not fits(R, M)]
         if (explicit and misfits) or not fitting:
             text = ", ".join(f"R={R},M={M}" for R, M in misfits)
             raise ValueError(

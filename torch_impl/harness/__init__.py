@@ -1,7 +1,7 @@
 """What runs the torch reference rather than what it is: rank processes and their fork server
 (`launcher`, its rank side `rank_worker`, `rank_processes`, `rank_start`, `process_groups`), the
 per-rank case loop (`cases`, on the `jobs` every rank is handed), a user's step under watch
-(`user_step`, `step_watch`, `step_gradient`) and the buggy loops of the bug catalogue (`bugs`,
+(`user_step`, `step_gradient`) and the buggy loops of the bug catalogue (`bugs`,
 `bugs_windows`, `windows`).
 
 The reference modules never import it; ``torch_impl`` re-exports `launch` and its two errors
