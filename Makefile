@@ -32,6 +32,7 @@ CONFORMANCE_STAMP := $(VENV)/.conformance-installed
 $(CONFORMANCE_STAMP): $(STAMP) $(CONFORMANCE_CONSTRAINTS)
 	$(PY) -m pip install --quiet -c $(CONSTRAINTS) -c $(CONFORMANCE_CONSTRAINTS) -e ".[all,deepspeed]"
 	$(PY) -m pip install --quiet --no-deps -r $(CONFORMANCE_CONSTRAINTS)
+	$(PY) scripts/drop_stray_tests_package.py
 	touch $(CONFORMANCE_STAMP)
 
 conformance: $(CONFORMANCE_STAMP)

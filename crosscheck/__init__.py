@@ -61,8 +61,10 @@ _EXPORTS: dict[str, str] = {
     "GroupBasis": "crosscheck.diagnosis.group_basis",
     "torch_group_basis": "crosscheck.verification.model_basis",
     "jax_group_basis": "crosscheck.verification.model_basis",
-    # the schemes: the spec of an objective's normalization
-    "Scheme": "crosscheck.contract.schemes",
+    # the schemes: each a SchemeSpec, the normalization of an objective as data
+    "SchemeSpec": "crosscheck.contract.spec",
+    "get_spec": "crosscheck.contract.spec",
+    "resolve_scheme": "crosscheck.contract.schemes",
     "TokenMean": "crosscheck.contract.schemes",
     "SequenceMean": "crosscheck.contract.schemes",
     "RowMean": "crosscheck.contract.schemes",
@@ -76,11 +78,6 @@ _EXPORTS: dict[str, str] = {
     "ACCIDENTAL_SCHEMES": "crosscheck.contract.schemes",
     "get_scheme": "crosscheck.contract.schemes",
     "effective_weights": "crosscheck.contract.schemes",
-    # contract v2: schemes as data
-    "SchemeSpec": "crosscheck.contract.spec",
-    "get_spec": "crosscheck.contract.spec",
-    "SpecScheme": "crosscheck.contract.spec_scheme",
-    "resolve_scheme": "crosscheck.contract.spec_scheme",
     # fixtures and layouts
     "Fixture": "crosscheck.contract.fixture",
     "FixtureError": "crosscheck.contract.fixture",
@@ -118,16 +115,15 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time `__getattr__` 
         MicrobatchMean,
         RankMean,
         RowMean,
-        Scheme,
         SequenceMean,
         Sum,
         TokenMean,
         WeightedMean,
         effective_weights,
         get_scheme,
+        resolve_scheme,
     )
     from crosscheck.contract.spec import SchemeSpec, get_spec
-    from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
     from crosscheck.diagnosis.diagnose import diagnose
     from crosscheck.diagnosis.group_basis import GroupBasis
     from crosscheck.diagnosis.result import Diagnosis
@@ -162,10 +158,8 @@ __all__ = [
     "RankMean",
     "RowMean",
     "SGDConfig",
-    "Scheme",
     "SchemeSpec",
     "SequenceMean",
-    "SpecScheme",
     "StepError",
     "StepSetupError",
     "Sum",

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from crosscheck.contract.schemes import Scheme
+    from crosscheck.contract.spec import SchemeSpec
     from crosscheck.verification.report import VerifyReport
     from crosscheck.verification.verifier import Framework
 
@@ -94,7 +94,7 @@ class GradWeight:
         step: str | Callable[..., Any],
         *,
         framework: Framework,
-        scheme: str | Scheme,
+        scheme: str | SchemeSpec,
         **options: Any,
     ) -> VerifyReport:
         """`crosscheck.verify(step, framework=..., scheme=..., **options)`, its report written
@@ -110,7 +110,7 @@ class GradWeight:
         record = report.to_json()
         record["wall_time_s"] = time.perf_counter() - started
         step_file = report.step.replace(":", ".")
-        name = _file_name(f"{step_file}.{report.framework}.{report.scheme.spec}") + ".json"
+        name = _file_name(f"{step_file}.{report.framework}.{report.scheme.name}") + ".json"
         text = json.dumps(record, indent=2, allow_nan=False) + "\n"
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.reports.append(self._write(self.report_dir / name, text))
@@ -124,7 +124,7 @@ class GradWeight:
         step: str | Callable[..., Any],
         *,
         framework: Framework,
-        scheme: str | Scheme,
+        scheme: str | SchemeSpec,
         **options: Any,
     ) -> VerifyReport:
         """`verify`, raising AssertionError with the diagnosis and the table unless every case

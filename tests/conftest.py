@@ -8,11 +8,25 @@ Every process the suite starts inherits a session marker; at the end the suite c
 none of them is still alive (tests/process_audit.py) and fails otherwise.
 """
 
+import importlib.util
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 from process_audit import SESSION_MARKER, leaks
+
+# The verify steps are named from the repository root, as a user names theirs
+# (``tests.jax_verify_steps:...``); an installed regular package called `tests` wins over this
+# directory at every position of sys.path and breaks every one of them with a misleading
+# ModuleNotFoundError. Say so once, up front.
+_tests = importlib.util.find_spec("tests")
+if _tests is not None and _tests.origin and Path(_tests.origin).parent != Path(__file__).parent:
+    raise pytest.UsageError(
+        f"an installed package named 'tests' ({_tests.origin}) shadows this repository's tests/ "
+        "directory for the steps the suite imports as tests.<module>; remove it (python "
+        "scripts/drop_stray_tests_package.py; `make conformance` runs it after installing verl)"
+    )
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"

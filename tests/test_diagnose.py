@@ -7,12 +7,10 @@ import pytest
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad, weighted_grad
-from crosscheck.contract.schemes import INTENDED_SCHEMES
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import INTENDED_SCHEMES, resolve_scheme
 from crosscheck.diagnosis import candidates
 from crosscheck.diagnosis.diagnose import AMBIGUOUS, CONDITION_LIMIT, UNKNOWN, diagnose
 from crosscheck.diagnosis.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS
-from crosscheck.diagnosis.spec_candidates import spec_pattern_candidates
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
 from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL
 
@@ -62,7 +60,7 @@ def _prediction(pattern: str, fixture: Fixture, R: int, M: int):
     w = batch.to_global(scheme.effective_weights(batch))
     D = scheme.global_denominator(batch)
     if pattern == "local-group-count":
-        (match,) = [c for c in spec_pattern_candidates(scheme, batch) if c.name == pattern]
+        (match,) = [c for c in candidates.local_mean_candidates(scheme, batch) if c.name == pattern]
         return match.weights, match.logged_denominator, D
     if pattern == "zero-count-nan":  # 0/0 on the empty microbatch: NaN reaches every token
         return np.full(w.shape, np.nan), None, D

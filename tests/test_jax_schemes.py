@@ -8,6 +8,7 @@ where, and ignored targets never produce a NaN.
 from __future__ import annotations
 
 import doctest
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -48,19 +49,22 @@ def test_scheme_terms_match_the_contract(fixture_name: str) -> None:
     switch_terms = jax.jit(jax_impl.scheme_terms)
     for scheme_name in INTENDED_SCHEMES:
         contract = get_scheme(scheme_name)
+        # The contract's a_t, and each microbatch's d: its spec's D at microbatch scope.
+        a = contract.token_weights(laid_out)
+        d_want = replace(contract, scope="microbatch").unit_denominators(laid_out)
         index = jnp.int32(jax_impl.Scheme.from_name(scheme_name))
         # [1, M, B, T] stacks: both paths vectorize over the leading microbatch axes.
         for terms in (jax_impl.scheme_terms(scheme_name, *args), switch_terms(index, *args)):
-            for _, m, mb in laid_out.microbatches():
+            for _, m, _ in laid_out.microbatches():
                 np.testing.assert_allclose(
-                    terms.token_weights[0, m], contract.token_weights(mb), rtol=F32_ELEMENT_RTOL,
+                    terms.token_weights[0, m], a[0, m], rtol=F32_ELEMENT_RTOL,
                     err_msg=f"{fixture.name}/{scheme_name}: a_t of microbatch {m}",
                 )  # fmt: skip
                 d = int(terms.count[0, m]) + float(terms.weight_sum.value()[0, m])
                 if scheme_name != "sum":  # sum: D fixed to 1, no d per microbatch
-                    assert d == pytest.approx(contract.denominator(mb), rel=F32_ELEMENT_RTOL), (
+                    assert d == pytest.approx(d_want[m], rel=F32_ELEMENT_RTOL), (
                         f"{fixture.name}/{scheme_name}: d of microbatch {m} = {d}, contract "
-                        f"{contract.denominator(mb)}"
+                        f"{d_want[m]}"
                     )
 
 

@@ -27,8 +27,7 @@ from crosscheck import builtin_fixture
 from crosscheck.cli.commands import main
 from crosscheck.cli.report import summary_line, write_json
 from crosscheck.contract.cases import Case, SkippedCase
-from crosscheck.contract.schemes import SCHEMES
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import SCHEMES, resolve_scheme
 from crosscheck.run import jax_runner, torch_runner
 from crosscheck.run.implementations import IMPLEMENTATIONS
 from crosscheck.run.matrix import NEVER_REPORTED, run_matrix

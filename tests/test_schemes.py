@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from crosscheck.contract.layout import IGNORE_INDEX, Microbatch
+from crosscheck.contract.layout import IGNORE_INDEX, Layout, Microbatch, lay_out
 from crosscheck.contract.schemes import (
     ACCIDENTAL_SCHEMES,
+    DEFINITIONS,
     INTENDED_SCHEMES,
     MEAN_SCHEMES,
     SCHEMES,
@@ -33,16 +36,24 @@ HAND_EXPECTED = {
     "row_mean": ([[1 / 4, 1 / 4, 0, 1 / 4, 1 / 4, 0], [1 / 3, 0, 1 / 3, 1 / 3, 0, 0]], 2.0),
     "weighted_mean": ([[0.5, 2.0, 0, 1.5, 0.0, 0], [0.25, 0, 1.0, 3.0, 0, 0]], 8.25),
     "constant": ([[1, 1, 0, 1, 1, 0], [1, 0, 1, 1, 0, 0]], 12.0),
-    "microbatch_mean": ([[1 / 7, 1 / 7, 0, 1 / 7, 1 / 7, 0], [1 / 7, 0, 1 / 7, 1 / 7, 0, 0]], 1.0),
+    # The token mean at microbatch scope: each microbatch its own D_u (v1 wrote it as
+    # a_t = v_t / 7, d = 1: the same c_t).
+    "microbatch_mean": ([[1, 1, 0, 1, 1, 0], [1, 0, 1, 1, 0, 0]], 7.0),
 }
 
 
 @pytest.mark.parametrize("name", sorted(HAND_EXPECTED))
 def test_token_weight_and_denominator_by_hand(name):
+    """a_t, the microbatch's own D and c_t = a_t / D of the one microbatch, by hand (v1's
+    per-microbatch methods are gone: the spec's arrays are read instead)."""
+    mb = HAND_MICROBATCH
+    batch = lay_out(mb.inputs, mb.targets, mb.segment_ids, mb.weights, Layout(1, 1))
     scheme = get_scheme(name)
     expected_a, expected_d = HAND_EXPECTED[name]
-    np.testing.assert_array_equal(scheme.token_weights(HAND_MICROBATCH), np.array(expected_a))
-    assert scheme.denominator(HAND_MICROBATCH) == expected_d
+    np.testing.assert_array_equal(scheme.token_weights(batch)[0, 0], np.array(expected_a))
+    assert replace(scheme, scope="microbatch").unit_denominators(batch) == [expected_d]
+    c = np.array(expected_a) / expected_d
+    np.testing.assert_array_equal(effective_weights(name, batch), c)
 
 
 def test_sum_has_unit_denominator_and_constant_takes_an_explicit_normalizer():
@@ -64,8 +75,8 @@ def test_scheme_tables_match_the_design():
         "sum",
     )
     assert ACCIDENTAL_SCHEMES == ("rank_mean", "microbatch_mean")
-    for scheme in SCHEMES.values():
-        assert scheme.__doc__ and len(scheme.__doc__) > 60, scheme.name  # math documented
+    for name in SCHEMES:
+        assert len(DEFINITIONS[name]) > 60 and ":math:" in DEFINITIONS[name], name
 
 
 def test_unknown_scheme_lists_the_known_ones():

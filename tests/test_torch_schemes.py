@@ -9,6 +9,7 @@ microbatch, row and position.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -51,11 +52,14 @@ def test_microbatch_terms_match_contract(
     model = BilinearLM.from_numpy(fx.params())
     laid_out = fx.layout(world_size, accum_steps)
     reference, ours = get_scheme(scheme), torch_scheme(scheme)
+    # The numpy spec's a_t, and each microbatch's d: the spec's D at microbatch scope.
+    a_all = reference.token_weights(laid_out)
+    d_all = replace(reference, scope="microbatch").unit_denominators(laid_out)
     for rank in range(world_size):
         for batch in rank_microbatches(_batch(fx), rank, world_size, accum_steps):
             where = f"{fixture} R={world_size} M={accum_steps} {batch.where}"
             mb = laid_out.microbatch(rank, batch.microbatch)
-            a = reference.token_weights(mb)
+            a = a_all[rank, batch.microbatch]
             losses = token_terms(fx.params(), mb.inputs, mb.targets).losses
             expected_sum = math.fsum((a * losses).ravel().tolist())
             with torch.no_grad():
@@ -64,7 +68,8 @@ def test_microbatch_terms_match_contract(
             assert abs(got - expected_sum) <= RTOL * max(abs(expected_sum), 1.0), where
             np.testing.assert_array_equal(ours.token_weights(batch).numpy(), a, err_msg=where)
             if ours.fixed_denominator is None:
-                assert out.denominator == pytest.approx(reference.denominator(mb), rel=1e-15)
+                d = d_all[rank * accum_steps + batch.microbatch]
+                assert out.denominator == pytest.approx(d, rel=1e-15)
             assert out.valid_tokens == int(mb.valid.sum())
 
 

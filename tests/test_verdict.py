@@ -326,7 +326,7 @@ def test_an_explicit_constant_normalizer_is_judged_with_that_c():
     C = 1000.0
     grads = _grad(fixture, fixture.valid / C)
     d = diagnose(fixture, 2, 2, grads, Constant(C))
-    assert not d.detected and d.scheme.fixed_denominator == C
+    assert not d.detected and d.scheme.denominator.value == C
     assert "constant:1000's" in d.explanation
     same = diagnose(fixture, 2, 2, grads, "constant:1000")
     assert not same.detected

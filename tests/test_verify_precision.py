@@ -31,7 +31,7 @@ def test_constant_is_judged_with_its_own_normalizer(tmp_path):
             **ONE_LAYOUT,
         )
         assert report.ok, report.message()
-        assert report.scheme.fixed_denominator == 1000.0
+        assert report.scheme.denominator.value == 1000.0
         assert "constant:1000 on fixtures packed" in report.message()
         # The default constant counts every target slot (8 x 64 = 512): C = 1000 is a scale.
         slots = verify(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from crosscheck import builtin_fixture
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 
 
 def intended_weights(fixture_name: str, scheme: str) -> np.ndarray:

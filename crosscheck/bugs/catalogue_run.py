@@ -25,7 +25,7 @@ from crosscheck.bugs.objective_catalogue import (
     run_objective_catalogue,
 )
 from crosscheck.bugs.objective_steps import ObjectiveBugRun, Outcome
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.diagnosis.diagnose import Diagnosis, diagnose
 from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,

@@ -17,8 +17,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
-from crosscheck.contract.schemes import effective_weights
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import effective_weights, resolve_scheme
 
 SCHEME_STYLES = {
     "token_mean": {"color": "tab:green", "linewidth": 2.5},

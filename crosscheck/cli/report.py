@@ -28,7 +28,7 @@ from rich.table import Table
 
 from crosscheck import exit_codes
 from crosscheck.contract.cases import Case, CaseResult, RankMetrics, SkippedCase
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.judge.compare import RTOL_BY_DTYPE
 from crosscheck.launch.schedule import JobTiming
 

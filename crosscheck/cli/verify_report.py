@@ -41,7 +41,7 @@ def _error(value: float) -> str:
 
 
 def verify_table(report: VerifyReport) -> Table:
-    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme.spec}")
+    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme.name}")
     for column in (
         "fixture",
         "layout",
@@ -74,7 +74,7 @@ def compact_verify_table(report: VerifyReport) -> Table:
     Fixture over layout, diagnosis over precision, the three numbers over each other. Only the
     fixture column wraps (a fixture given as a long path); the others hold whole names.
     """
-    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme.spec}")
+    table = Table(title=f"{report.step} ({report.framework}) against {report.scheme.name}")
     table.add_column("fixture\nlayout", overflow="fold")
     table.add_column("diagnosed as\nprecision", no_wrap=True)
     table.add_column("max rel err\nweight ratio\nscale", justify="right", no_wrap=True)

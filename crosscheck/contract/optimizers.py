@@ -27,7 +27,7 @@ import numpy as np
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import OracleResult, Params, loss_and_grad
-from crosscheck.contract.schemes import Scheme
+from crosscheck.contract.spec import SchemeSpec
 
 ClipConvention = Literal["optax", "torch"]
 TORCH_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ adds this to the norm
@@ -120,7 +120,7 @@ class UpdateRecord:
 
 def train(
     fixture: Fixture,
-    scheme: str | Scheme,
+    scheme: str | SchemeSpec,
     world_size: int = 1,
     accum_steps: int = 1,
     *,

@@ -27,9 +27,9 @@ from typing import NamedTuple
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
-from crosscheck.contract.layout import IGNORE_INDEX, LaidOutBatch
-from crosscheck.contract.schemes import Scheme
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.layout import IGNORE_INDEX
+from crosscheck.contract.schemes import resolve_scheme
+from crosscheck.contract.spec import SchemeSpec
 
 Params = dict[str, np.ndarray]
 
@@ -121,7 +121,7 @@ class OracleResult(NamedTuple):
 
 def loss_and_grad(
     fixture: Fixture,
-    scheme: str | Scheme,
+    scheme: str | SchemeSpec,
     world_size: int = 1,
     accum_steps: int = 1,
     params: Params | None = None,
@@ -136,7 +136,7 @@ def loss_and_grad(
     params = fixture.params() if params is None else params
     batch = fixture.layout(world_size, accum_steps)
     weights = batch.to_global(scheme.effective_weights(batch))
-    denominator = _denominator(scheme, batch)
+    denominator = scheme.global_denominator(batch)
     terms = token_terms(params, fixture.inputs, fixture.targets)
     loss = math.fsum((weights * terms.losses).ravel().tolist())
     grads = _grad_from_errors(params, fixture.inputs, terms.errors, weights)
@@ -156,15 +156,9 @@ def loss_and_grad(
     )
 
 
-def _denominator(scheme: Scheme, batch: LaidOutBatch) -> float:
-    if scheme.name == "rank_mean":
-        return float(batch.layout.world_size)
-    return scheme.global_denominator(batch)
-
-
 def loss(
     fixture: Fixture,
-    scheme: str | Scheme,
+    scheme: str | SchemeSpec,
     world_size: int = 1,
     accum_steps: int = 1,
     params: Params | None = None,

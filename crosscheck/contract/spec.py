@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from crosscheck.contract.layout import IGNORE_INDEX, LaidOutBatch
+from crosscheck.contract.row_fields import default_row_fields
 from crosscheck.contract.spec_catalogue import (
     DEFAULT_PARAMETERS,
     MODE_SPECS,
@@ -178,6 +179,18 @@ class SchemeSpec:
         )
         return self.scope == "update" and not local_count and not local_denominator
 
+    @property
+    def intended(self) -> bool:
+        """An intended scheme: its objective does not depend on the layout (R, M) of the batch
+        (`layout_invariant`). rank_mean, microbatch_mean and every local scope are not."""
+        return self.layout_invariant
+
+    def global_denominator(self, batch: LaidOutBatch) -> float:
+        """The denominator a step would log: D of an update-scope spec; for a local scope the
+        number of units K (R, or R M), as each unit divides by its own D_u."""
+        denominators = self.unit_denominators(batch)
+        return denominators[0] if self.scope == "update" else float(len(denominators))
+
     def effective_weights(self, batch: LaidOutBatch) -> np.ndarray:
         """c_t = a_t / D_u(t) / K for every token, [R, M, B, T] float64 (0 where D_u = 0)."""
         view = _BatchView(batch)
@@ -256,19 +269,25 @@ class _BatchView:
     """Per-token arrays of a laid-out batch: masks, group keys, unit ids, counts."""
 
     def __init__(self, batch: LaidOutBatch) -> None:
-        if batch.group_ids is None:
-            raise ValueError(
-                "a scheme spec needs a batch laid out with its v2 fields (Fixture.layout)"
-            )
         self.R, self.M, self.B, self.T = batch.targets.shape
         shape = batch.targets.shape
+        # A field the batch was laid out without takes the contract's default (a batch of v1's
+        # arrays alone: every row its own group and sampled, weight 1, documents per segment).
+        defaults = default_row_fields(batch.segment_ids.reshape(-1, self.T))
+        fields = {
+            key: defaults[key].reshape(shape[: defaults[key].ndim + 2])
+            if getattr(batch, key) is None
+            else getattr(batch, key)
+            for key in defaults
+        }
         self.valid = batch.targets != IGNORE_INDEX
         self.segment_ids = batch.segment_ids
         self.weights = batch.weights.astype(np.float64)
-        self.row_weights = np.broadcast_to(batch.row_weights[..., None], shape).astype(np.float64)
-        self.sample_mask = np.broadcast_to(batch.sample_mask[..., None], shape)
-        self.document_ids = batch.document_ids
-        self.group_ids = np.broadcast_to(batch.group_ids[..., None], shape)
+        row_weights = fields["row_weights"][..., None]
+        self.row_weights = np.broadcast_to(row_weights, shape).astype(np.float64)
+        self.sample_mask = np.broadcast_to(fields["sample_mask"][..., None], shape)
+        self.document_ids = fields["document_ids"]
+        self.group_ids = np.broadcast_to(fields["group_ids"][..., None], shape)
         r, m, b, _ = np.indices(shape)
         self.rank, self.microbatch = r, r * self.M + m
         self.row = self.microbatch * self.B + b

@@ -25,8 +25,7 @@ stale-count            :math:`w^I D / (D + \sum \text{earlier } D)`
 clip-per-microbatch    :math:`w^I \min(1, c / \lVert g_m \rVert)` per accumulation step m, with
                        torch's or optax's clipping convention
 float32-count          :math:`w^I D / \tilde D`, :math:`\tilde D` a float32 number near D > 2^24
-local-group-count      the intended spec with its group count per microbatch
-                       (`crosscheck.diagnosis.spec_candidates`)
+local-group-count      the intended spec with its group or document count per microbatch
 zero-count-nan         no weights: a non-finite gradient on a layout with a unit the intended
                        scheme counts nothing in (`crosscheck.diagnosis.zero_count`)
 ====================== ======================================================================
@@ -39,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,7 +46,9 @@ from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.layout import LaidOutBatch
 from crosscheck.contract.optimizers import TORCH_CLIP_EPS, global_norm
 from crosscheck.contract.oracle import Params
-from crosscheck.contract.schemes import SCHEMES, Scheme, TokenMean, WeightedMean
+from crosscheck.contract.schemes import SCHEMES, is_v1_scheme
+from crosscheck.contract.spec import SchemeSpec, get_spec
+from crosscheck.contract.spec_catalogue import MODE_SPECS, NAMED_SPECS
 from crosscheck.diagnosis.patterns import PATTERNS
 
 #: Largest relative distance from D at which a float32 denominator is still float32-count:
@@ -76,70 +77,95 @@ class Candidate:
 GradOf = Callable[[np.ndarray], Params]
 
 
-def _local_denominators(scheme: Scheme, batch: LaidOutBatch) -> np.ndarray | None:
-    """d of every microbatch, [R, M]; None for schemes without one (sum, fixed constant)."""
-    if scheme.fixed_denominator is not None or not scheme.intended:
-        return None
-    R, M = batch.layout.world_size, batch.layout.accum_steps
-    return np.array(
-        [[scheme.denominator(batch.microbatch(r, m)) for m in range(M)] for r in range(R)]
-    )
-
-
-def _local_weights(scheme: Scheme, batch: LaidOutBatch) -> np.ndarray:
-    """a_t of every token, [R, M, B, T]."""
-    R, M = batch.layout.world_size, batch.layout.accum_steps
-    out = np.zeros(batch.targets.shape, dtype=np.float64)
-    for r in range(R):
-        for m in range(M):
-            out[r, m] = scheme.token_weights(batch.microbatch(r, m))
-    return out
-
-
 def _divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     """numerator / denominator with 0 where the denominator is 0 (an empty rank adds nothing)."""
     safe = np.where(denominator > 0, denominator, 1.0)
     return np.where(denominator > 0, numerator / safe, 0.0)
 
 
-def local_mean_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
-    """rank-mean, microbatch-mean and microstep-mean of the intended scheme's own
-    (a_t, d)."""
-    d = _local_denominators(intended, batch)
-    if d is None:
-        return []
-    R, M = d.shape
-    a = _local_weights(intended, batch)
-    per_rank = d.sum(axis=1)
-    # At R = 1 rank-mean is the intended scheme; at M = 1 a microbatch is a rank and
-    # microbatch-mean is rank-mean itself: degenerate there.
-    w = _divide(a, per_rank[:, None, None, None]) / R
-    rank_mean = Candidate(
-        "rank-mean", "pattern", batch.to_global(w), float(per_rank[0]), degenerate=R == 1
-    )
-    w = _divide(a, d[:, :, None, None]) / (R * M)
-    microbatch_mean = Candidate(
-        "microbatch-mean", "pattern", batch.to_global(w), float(d[0, -1]), degenerate=M == 1
-    )
-    # Microbatch m's count over all ranks, n_m = sum_r d_rm, and the M means averaged. At
-    # M = 1 that is the intended scheme, at R = 1 microbatch-mean; and where every rank holds
-    # the same d_rm in each microbatch, n_m = R d_rm and it is microbatch-mean again: the two
-    # predict one gradient there, and the older name is the one given.
-    per_step = d.sum(axis=0)
-    w = _divide(a, per_step[None, :, None, None]) / M
-    same_counts = bool(np.all(d == d[:1]))
-    microstep_mean = Candidate(
-        "microstep-mean",
-        "pattern",
-        batch.to_global(w),
-        float(per_step[-1]),
-        degenerate=R == 1 or M == 1 or same_counts,
-    )
-    return [rank_mean, microbatch_mean, microstep_mean]
+def _candidate(name: str, spec: SchemeSpec, batch: LaidOutBatch, **kw) -> Candidate:
+    return Candidate(name, "pattern", batch.to_global(spec.effective_weights(batch)), **kw)
+
+
+#: Denominators whose value over a set of microbatches is the sum of theirs: counts of tokens,
+#: slots or weights, and of groups that never leave a row. Only over these is each
+#: accumulation step's count over all ranks the sum of its microbatches' (microstep-mean).
+def _additive(spec: SchemeSpec) -> bool:
+    d = spec.denominator
+    local_groups = d.kind in ("groups", "all_groups") and d.group in ("row", "segment")
+    return d.kind in ("tokens", "slots", "weight_sum", "abs_row_weight_sum") or local_groups
+
+
+def local_mean_candidates(intended: SchemeSpec, batch: LaidOutBatch) -> list[Candidate]:
+    """The intended spec normalized more locally than the update: rank-mean (``scope =
+    rank``), microbatch-mean (``scope = microbatch``), microstep-mean (each accumulation step
+    over all ranks, for an additive denominator) and local-group-count (a group or document
+    count taken per microbatch, D unchanged: slime's per-rollout means, verl#2776)."""
+    R, M = batch.layout.world_size, batch.layout.accum_steps
+    out = []
+    if intended.scope == "update" and intended.denominator.kind not in ("one", "configured"):
+        # At R = 1 rank-mean is the intended scheme; at M = 1 a microbatch is a rank and
+        # microbatch-mean is rank-mean itself: degenerate there.
+        ranks = replace(intended, scope="rank")
+        out.append(
+            _candidate(
+                "rank-mean",
+                ranks,
+                batch,
+                logged_denominator=ranks.unit_denominators(batch)[0],
+                degenerate=R == 1,
+            )
+        )
+        micro = replace(intended, scope="microbatch")
+        d = np.asarray(micro.unit_denominators(batch), dtype=np.float64).reshape(R, M)
+        out.append(
+            _candidate(
+                "microbatch-mean",
+                micro,
+                batch,
+                logged_denominator=float(d[0, -1]),
+                degenerate=M == 1,
+            )
+        )
+        if _additive(intended):
+            # Microbatch m's count over all ranks, n_m = sum_r d_rm, and the M means averaged.
+            # At M = 1 that is the intended scheme, at R = 1 microbatch-mean; and where every
+            # rank holds the same d_rm in each microbatch, n_m = R d_rm and it is
+            # microbatch-mean again: the two predict one gradient there, and the older name
+            # is the one given.
+            per_step = d.sum(axis=0)
+            w = _divide(intended.token_weights(batch), per_step[None, :, None, None]) / M
+            out.append(
+                Candidate(
+                    "microstep-mean",
+                    "pattern",
+                    batch.to_global(w),
+                    float(per_step[-1]),
+                    degenerate=R == 1 or M == 1 or bool(np.all(d == d[:1])),
+                )
+            )
+    w = intended.weight
+    if w.group in ("group", "document") and w.count_scope == "update":
+        local = replace(intended, weight=replace(w, count_scope="microbatch"))
+        out.append(
+            _candidate(
+                "local-group-count",
+                local,
+                batch,
+                logged_denominator=intended.global_denominator(batch),
+                degenerate=R * M == 1,
+            )
+        )
+    return out
+
+
+def _same_as(spec: SchemeSpec, name: str) -> bool:
+    """Whether `spec` computes the catalogue's `name`, whatever it is called."""
+    return replace(spec, name=name) == get_spec(name)
 
 
 def scale_candidates(
-    intended: Scheme,
+    intended: SchemeSpec,
     fixture: Fixture,
     batch: LaidOutBatch,
     weights: np.ndarray,
@@ -159,7 +185,7 @@ def scale_candidates(
     if previous_denominators and D > 0:
         stale = D + sum(previous_denominators)
         out.append(Candidate("stale-count", "pattern", weights * (D / stale), stale))
-    if isinstance(intended, TokenMean) and D > 0:
+    if _same_as(intended, "token_mean") and D > 0:
         valid = fixture.valid
         rows = float(np.count_nonzero(valid.any(axis=1)))
         attended = float(np.count_nonzero(fixture.segment_ids > 0))
@@ -169,7 +195,7 @@ def scale_candidates(
             Candidate("attention-mask-count", "pattern", weights * (D / attended), attended),
             Candidate("padding-as-tokens", "pattern", weights * (D / slots), slots),
         ]
-    if intended.name == "sequence_mean":
+    if _same_as(intended, "sequence_mean"):
         row_mean = SCHEMES["row_mean"]
         out.append(
             Candidate(
@@ -211,7 +237,7 @@ def clip_candidates(
 
 
 def float32_count_candidate(
-    intended: Scheme, batch: LaidOutBatch, weights: np.ndarray, scale: float
+    intended: SchemeSpec, batch: LaidOutBatch, weights: np.ndarray, scale: float
 ) -> list[Candidate]:
     """float32-count: the gradient's fitted scale implies a float32 denominator near D.
 
@@ -219,7 +245,8 @@ def float32_count_candidate(
     cannot know; it reads the implied denominator D / scale instead and accepts it when it is
     a float32 number other than D within a few roundings of D.
     """
-    if not isinstance(intended, (TokenMean, WeightedMean)) or not scale > 0:
+    token_or_weight_count = intended.denominator.kind in ("tokens", "weight_sum")
+    if not (intended.scope == "update" and token_or_weight_count) or not scale > 0:
         return []
     D = intended.global_denominator(batch)
     if D <= FLOAT32_EXACT_LIMIT:
@@ -236,18 +263,24 @@ def float32_count_candidate(
     return [Candidate("float32-count", "pattern", weights * (D / implied), implied, note)]
 
 
-def scheme_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
+def scheme_candidates(intended: SchemeSpec, batch: LaidOutBatch) -> list[Candidate]:
     """Every other scheme under its own name (a gradient of the wrong scheme altogether).
 
-    The accidental schemes are left out where the rank-mean and microbatch-mean patterns of
-    the intended scheme already are them (token mean); rank_mean at R = 1 is token_mean and
+    v1's schemes always; the trainer modes of `crosscheck.contract.spec_catalogue` too when the
+    intended scheme is not one of v1's: on v1's fixtures (one group per row, every row
+    sampled, no row weights) most modes are a v1 scheme again and would only add ties. The
+    accidental schemes are left out where the rank-mean and microbatch-mean patterns of the
+    intended scheme already are them (token mean); rank_mean at R = 1 is token_mean and
     microbatch_mean at M = 1 is rank_mean, so they are degenerate there.
     """
     skip = {intended.name}
-    if isinstance(intended, TokenMean):
+    if _same_as(intended, "token_mean"):
         skip |= {"rank_mean", "microbatch_mean"}
     R, M = batch.layout.world_size, batch.layout.accum_steps
     degenerate = {"rank_mean": R == 1, "microbatch_mean": M == 1}
+    others = dict(SCHEMES)
+    if not is_v1_scheme(intended):
+        others |= {name: get_spec(name) for name in MODE_SPECS if name not in NAMED_SPECS}
     return [
         Candidate(
             name,
@@ -255,7 +288,7 @@ def scheme_candidates(intended: Scheme, batch: LaidOutBatch) -> list[Candidate]:
             batch.to_global(scheme.effective_weights(batch)),
             degenerate=degenerate.get(name, False),
         )
-        for name, scheme in SCHEMES.items()
+        for name, scheme in others.items()
         if name not in skip
     ]
 

@@ -1,7 +1,7 @@
 r"""Diagnosis: the effective weighting of any gradient, and the name of what produced it.
 
 Given a gradient G that some code produced on a fixture laid out as (R, M), and the scheme the
-user intended (a `crosscheck.contract.schemes.Scheme` object, with its parameters, or a name), the
+user intended (a `crosscheck.contract.spec.SchemeSpec`, with its parameters, or a name), the
 diagnosis
 
 1. **recovers the weights and measures the numerics** (``crosscheck.diagnosis.verdict``): least
@@ -35,8 +35,8 @@ import numpy as np
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import Params, token_jacobian
-from crosscheck.contract.schemes import Scheme
-from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
+from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.candidates import (
     Candidate,
     clip_candidates,
@@ -58,7 +58,6 @@ from crosscheck.diagnosis.group_basis import (
 from crosscheck.diagnosis.judgement import judge_levels, noise_level, per_group_weights
 from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, minimal, name_of
 from crosscheck.diagnosis.result import Diagnosis, GroupWeight
-from crosscheck.diagnosis.spec_candidates import spec_pattern_candidates, spec_scheme_candidates
 from crosscheck.diagnosis.verdict import (
     PRECISIONS,
     WeightCheck,
@@ -150,7 +149,7 @@ def diagnose(
     world_size: int,
     accum_steps: int,
     grads: Params,
-    intended: str | Scheme,
+    intended: str | SchemeSpec,
     *,
     dtype: str = "float64",
     precision: str = "auto",
@@ -246,17 +245,12 @@ def diagnose(
         raise AssertionError(f"{scheme.name}: intended weights vary inside a group")
 
     candidates = [Candidate(scheme.name, "intended", weights, scheme.global_denominator(batch))]
-    if isinstance(scheme, SpecScheme):
-        candidates += spec_pattern_candidates(scheme, batch)
-    else:
-        candidates += local_mean_candidates(scheme, batch)
+    candidates += local_mean_candidates(scheme, batch)
     candidates += scale_candidates(scheme, fixture, batch, weights, tuple(previous_denominators))
     if max_grad_norm is not None:
         candidates += clip_candidates(grad_of, batch, weights, max_grad_norm)
     candidates += float32_count_candidate(scheme, batch, weights, scale)
     candidates += scheme_candidates(scheme, batch)
-    if isinstance(scheme, SpecScheme):
-        candidates += spec_scheme_candidates(scheme, batch)
     candidates += family_candidates(g, weights, batch, flat_grad_of)
 
     per_group = [per_group_weights(c.weights, group_of, units) for c in candidates]

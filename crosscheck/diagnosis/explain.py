@@ -159,7 +159,7 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
         return text, fix
     if best == d.intended:
         text = (
-            f"The gradient is {d.scheme.spec}'s {_precision_text(d)}: every valid token weighs "
+            f"The gradient is {d.scheme.name}'s {_precision_text(d)}: every valid token weighs "
             f"what the scheme says (weight ratio {_ratio_text(d.weight_ratio)} against it, "
             f"scale {d.scale:.12g})."
         )

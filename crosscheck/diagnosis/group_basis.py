@@ -27,18 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
-from crosscheck.contract.schemes import Scheme, WeightedMean
-from crosscheck.contract.spec_scheme import SpecScheme
+from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.candidates import Candidate
 from crosscheck.diagnosis.judgement import per_group_weights
 
 
-def token_units(fixture: Fixture, scheme: Scheme) -> np.ndarray:
+def token_units(fixture: Fixture, scheme: SchemeSpec) -> np.ndarray:
     """u_t [N, T]: the soft weight w_t of a valid token under a weighted scheme (weighted_mean,
     or a spec whose soft weight is per token), else 1 for a valid token; 0 for an ignored one."""
     valid = fixture.valid
-    soft_token = isinstance(scheme, SpecScheme) and scheme.scheme_spec.weight.soft == "token"
-    if isinstance(scheme, WeightedMean) or soft_token:
+    if scheme.weight.soft == "token":
         return np.where(valid, fixture.weights, 0.0)
     return valid.astype(np.float64)
 

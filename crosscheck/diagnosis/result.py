@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from crosscheck.contract.schemes import Scheme
+from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.verdict import tolerance
 from crosscheck.judge.compare import finite_or_none
 
@@ -37,7 +37,7 @@ class Diagnosis:
     world_size: int
     accum_steps: int
     #: The intended scheme, with its parameters (Constant(C) keeps its C).
-    scheme: Scheme
+    scheme: SchemeSpec
     #: The dtype of the params the step was given.
     dtype: str
     #: The precision the verdict was given at: "float64", "float32" or "bfloat16".
@@ -96,7 +96,7 @@ class Diagnosis:
             "world_size": self.world_size,
             "accum_steps": self.accum_steps,
             "intended": self.intended,
-            "scheme": self.scheme.spec,
+            "scheme": self.scheme.name,
             "dtype": self.dtype,
             "precision": self.precision,
             "tolerance": self.tolerance,

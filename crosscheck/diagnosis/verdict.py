@@ -234,26 +234,35 @@ class WeightCheck:
         return self.ratio <= 1.0
 
 
-def _units(fit: GroupFit, labels: Sequence[str]) -> tuple[np.ndarray, list[str]]:
-    """Membership [units, groups] of every unit of the weight test, and their names."""
+@dataclass(frozen=True, slots=True)
+class WeightUnit:
+    """A set of groups whose weight the weight test measures: the update, a rank, one rank's
+    microbatch, or a single (row, segment) group; `name` says it in words."""
+
+    kind: str  # "update", "rank", "microbatch" or "group"
+    name: str
+
+
+def _units(fit: GroupFit, labels: Sequence[str]) -> tuple[np.ndarray, list[WeightUnit]]:
+    """Membership [units, groups] of every unit of the weight test, and the units."""
     K = len(fit.rank)
-    rows, names = [np.ones(K, dtype=bool)], ["the whole update"]
+    rows, units = [np.ones(K, dtype=bool)], [WeightUnit("update", "the whole update")]
     for r in np.unique(fit.rank):
         rows.append(fit.rank == r)
-        names.append(f"rank {int(r)}")
+        units.append(WeightUnit("rank", f"rank {int(r)}"))
         for m in np.unique(fit.microbatch[fit.rank == r]):
             rows.append((fit.rank == r) & (fit.microbatch == m))
-            names.append(f"rank {int(r)} microbatch {int(m)}")
+            units.append(WeightUnit("microbatch", f"rank {int(r)} microbatch {int(m)}"))
     rows += list(np.eye(K, dtype=bool))
-    names += list(labels)
-    return np.array(rows), names
+    units += [WeightUnit("group", label) for label in labels]
+    return np.array(rows), units
 
 
 def unit_deviations(
     fit: GroupFit, hypothesis: np.ndarray, labels: Sequence[str]
-) -> tuple[np.ndarray, np.ndarray, list[str]]:
+) -> tuple[np.ndarray, np.ndarray, list[WeightUnit]]:
     """λ_u and se(λ_u) of every unit against per-group weights `hypothesis`."""
-    member, names = _units(fit, labels)
+    member, units = _units(fit, labels)
     weighted = member * fit.mass  # a_u: U_g on the unit's groups
     mass = weighted @ np.abs(hypothesis)
     # A unit the hypothesis gives no weight at all is measured against the update's mean
@@ -264,7 +273,7 @@ def unit_deviations(
     deviation = weighted @ (fit.weights - hypothesis) / mass
     variance = np.einsum("uk,kl,ul->u", weighted, fit.inverse_gram, weighted)
     se = fit.sigma * np.sqrt(np.maximum(variance, 0.0)) / mass
-    return deviation, se, names
+    return deviation, se, units
 
 
 def check_weights(
@@ -277,12 +286,12 @@ def check_weights(
         # Nothing to test, or no dimension left to measure the noise in: the worst-leaf test
         # alone decides (see `crosscheck.diagnosis.diagnose`).
         return WeightCheck(0.0, "the whole update", 0.0, tolerance(level))
-    deviation, se, names = unit_deviations(fit, hypothesis, labels)
+    deviation, se, units = unit_deviations(fit, hypothesis, labels)
     bound = tolerance(level) + Z_SCORE * se
     ratios = np.abs(deviation) / bound
     worst = int(np.argmax(ratios))
     return WeightCheck(
-        float(ratios[worst]), names[worst], float(deviation[worst]), float(bound[worst])
+        float(ratios[worst]), units[worst].name, float(deviation[worst]), float(bound[worst])
     )
 
 
@@ -298,12 +307,9 @@ def detectable_skew(
     """
     if not fit.noise_measurable or len(intended) == 0:
         return None
-    _, se, names = unit_deviations(fit, intended, labels)
+    _, se, units = unit_deviations(fit, intended, labels)
     for kind in ("rank", "microbatch"):
-        if kind == "rank":
-            picked = [i for i, n in enumerate(names) if n.startswith("rank ") and " " not in n[5:]]
-        else:
-            picked = [i for i, n in enumerate(names) if " microbatch " in n]
+        picked = [i for i, unit in enumerate(units) if unit.kind == kind]
         if len(picked) > 1:
             worst = max(float(se[i]) for i in picked)
             return kind, float(tolerance(level) + 2 * Z_SCORE * worst)

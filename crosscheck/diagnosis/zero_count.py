@@ -22,8 +22,7 @@ from dataclasses import replace
 import numpy as np
 
 from crosscheck.contract.layout import LaidOutBatch
-from crosscheck.contract.schemes import Scheme
-from crosscheck.contract.spec_scheme import SpecScheme
+from crosscheck.contract.spec import SchemeSpec
 
 ZERO_COUNT_NAN = "zero-count-nan"
 
@@ -31,29 +30,21 @@ ZERO_COUNT_NAN = "zero-count-nan"
 _NEVER_ZERO = ("one", "configured", "slots")
 
 
-def local_counts(scheme: Scheme, batch: LaidOutBatch) -> np.ndarray | None:
+def local_counts(scheme: SchemeSpec, batch: LaidOutBatch) -> np.ndarray | None:
     """d_rm, the intended scheme's denominator of each (rank, microbatch), [R, M].
 
     None when the scheme's denominator cannot be 0 on a unit (``sum``, a constant): a local
     mean of such a scheme never divides by 0.
     """
-    R, M = batch.layout.world_size, batch.layout.accum_steps
-    if isinstance(scheme, SpecScheme):
-        spec = scheme.scheme_spec
-        if spec.denominator.kind in _NEVER_ZERO:
-            return None
-        # The same spec at microbatch scope: one D_u per (rank, microbatch), rank-major.
-        per_unit = replace(spec, scope="microbatch").unit_denominators(batch)
-        return np.asarray(per_unit, dtype=np.float64).reshape(R, M)
-    if scheme.fixed_denominator is not None or not scheme.intended:
+    if scheme.denominator.kind in _NEVER_ZERO:
         return None
-    return np.array(
-        [[scheme.denominator(batch.microbatch(r, m)) for m in range(M)] for r in range(R)],
-        dtype=np.float64,
-    )
+    # The same spec at microbatch scope: one D_u per (rank, microbatch), rank-major.
+    R, M = batch.layout.world_size, batch.layout.accum_steps
+    per_unit = replace(scheme, scope="microbatch").unit_denominators(batch)
+    return np.asarray(per_unit, dtype=np.float64).reshape(R, M)
 
 
-def empty_units(scheme: Scheme, batch: LaidOutBatch) -> list[str]:
+def empty_units(scheme: SchemeSpec, batch: LaidOutBatch) -> list[str]:
     """The ranks and microbatches of the layout whose intended count is 0, described.
 
     A rank all of whose microbatches are empty is named as the rank ("rank 1 (all 2
@@ -75,7 +66,7 @@ def empty_units(scheme: Scheme, batch: LaidOutBatch) -> list[str]:
     return out
 
 
-def zero_count_note(scheme: Scheme, batch: LaidOutBatch, unusable: str) -> str:
+def zero_count_note(scheme: SchemeSpec, batch: LaidOutBatch, unusable: str) -> str:
     """The explanation of ``zero-count-nan`` for a gradient whose `unusable` entries are NaN or
     inf, or "" when the pattern does not apply (a finite or merely huge gradient, or no empty
     unit at this layout)."""

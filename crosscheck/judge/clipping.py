@@ -17,7 +17,7 @@ from crosscheck.contract.cases import CaseResult
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.optimizers import clip_by_global_norm, global_norm
 from crosscheck.contract.oracle import weighted_grad
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from crosscheck.contract.cases import CaseResult, oracle_case
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
 
 

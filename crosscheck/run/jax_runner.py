@@ -22,7 +22,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
-from crosscheck.contract.spec_scheme import SPEC_PREFIX, resolve_scheme
+from crosscheck.contract.schemes import SPEC_PREFIX, resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
 from crosscheck.launch.workers import jax_launch, run_jax_job, worker_zygote
@@ -152,7 +152,7 @@ def _run_multiprocess(
             "x64": dtype == "float64",
             "schemes": sorted({case.scheme for case in cases if case.scheme in V1_SCHEMES}),
             # Trainer modes: one sweep of their specs, keyed spec<k> (float64 cases only).
-            "scheme_specs": [resolve_scheme(name).scheme_spec.to_dict() for name in spec_names],
+            "scheme_specs": [resolve_scheme(name).to_dict() for name in spec_names],
             "spec_id_space": _id_space([case.fixture for case in cases]),
             "variants": [["precount", "pmean"], ["postnorm", "psum"]],
             "optimizer": settings.optimizer_spec(),

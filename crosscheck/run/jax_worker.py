@@ -22,7 +22,7 @@ from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettin
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.contract.row_fields import ROW_FIELD_KEYS
 from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.workers import serve_job
 
@@ -179,7 +179,7 @@ def run_spec_group(
     strategies = ("precount", "postnorm")
     configs = [
         spec_step_config(
-            resolve_scheme(scheme).scheme_spec.to_dict(),
+            resolve_scheme(scheme).to_dict(),
             optimizer,
             max_grad_norm=settings.max_grad_norm,
             **variants[strategy],

@@ -22,9 +22,8 @@ from crosscheck.contract.cases import (
     case_grid,
     oracle_case,
 )
-from crosscheck.contract.schemes import SCHEMES
+from crosscheck.contract.schemes import SCHEMES, is_v1_scheme, resolve_scheme
 from crosscheck.contract.spec_catalogue import DEFAULT_PARAMETERS, MODE_SPECS
-from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, V2_FIXTURES, builtin_fixture
 from crosscheck.run.implementations import (
     IMPLEMENTATIONS,
@@ -201,7 +200,7 @@ class Plan:
                         # An accidental v1 scheme has no strategy: it is the naive loop itself;
                         # a spec, local or not, is computed by both strategies' spec paths.
                         resolved = resolve_scheme(scheme)
-                        spec = isinstance(resolved, SpecScheme)
+                        spec = not is_v1_scheme(resolved)
                         strategies = self.strategies if resolved.intended or spec else ["naive"]
                         grid = case_grid(
                             [impl], [fixture], [(R, M)], [scheme], strategies, self.dtypes

@@ -19,7 +19,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, CaseResult, Params, TrainSettings
 from crosscheck.contract.optimizers import UpdateRecord, train
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import RTOL_BY_DTYPE, tree_rel_err
@@ -73,11 +73,8 @@ def oracle_run(case: Case, settings: TrainSettings, scheme: str | None = None):
 
 def _summed_denominator(scheme_name: str) -> bool:
     """Whether D is a rounded float sum (weights, |row weights|, powers), not a count."""
-    if scheme_name == "weighted_mean":
-        return True
-    scheme = resolve_scheme(scheme_name)
-    kind = getattr(getattr(scheme, "scheme_spec", None), "denominator", None)
-    return kind is not None and kind.kind in ("weight_sum", "abs_row_weight_sum", "power_sum")
+    kind = resolve_scheme(scheme_name).denominator.kind
+    return kind in ("weight_sum", "abs_row_weight_sum", "power_sum")
 
 
 def _metrics_problem(case: Case, output: CaseOutput, expected: tuple[UpdateRecord, ...]) -> str:

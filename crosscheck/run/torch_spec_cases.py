@@ -11,7 +11,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics
 from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.launch.workers import first_disagreeing_rank, launch_arrays
 
 
@@ -29,7 +29,7 @@ def spec_case(case: Case, front_end: str):
         label=case.describe(),
         batch=batch,
         params=params,
-        spec=resolve_scheme(case.scheme).scheme_spec.to_dict(),
+        spec=resolve_scheme(case.scheme).to_dict(),
         strategy=case.strategy,
         accum_steps=case.accum_steps,
         dtype=case.dtype,

@@ -7,8 +7,8 @@ at its initial weights, in float64 where it allows, in one extra process of the 
 
 * per fixture, the group basis B [K, P] (`crosscheck.diagnosis.group_basis`: one backward per
   (row, segment) group, under the intended scheme's units), which serves every layout;
-* per distinct intended weighting w_t = a_t / D of a job (`Scheme.effective_weights` on the job's
-  layout), the intended gradient: one backward of sum_t w_t l_t over the global batch.
+* per distinct intended weighting w_t = a_t / D of a job (`SchemeSpec.effective_weights` on the
+  job's layout), the intended gradient: one backward of sum_t w_t l_t over the global batch.
 
 The math is the framework's own (`torch_impl.harness.model_reference`,
 `jax_impl.harness.model_reference`). A factory that cannot be imported or called, returns the
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
-from crosscheck.contract.schemes import Scheme
-from crosscheck.contract.spec_scheme import resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
+from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.group_basis import GroupBasis, token_groups, token_units
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.verification.protocol import VerifyJob
@@ -55,7 +55,7 @@ def _batch(fixture: Fixture) -> dict[str, np.ndarray]:
     return {key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS}
 
 
-def _groups(fixture: Fixture, scheme: Scheme) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _groups(fixture: Fixture, scheme: SchemeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(group id per token, units u_t, each group's (row, segment)), all layout-free."""
     units = token_units(fixture, scheme)
     group_of, described = token_groups(fixture, 1, 1, units)
@@ -64,7 +64,7 @@ def _groups(fixture: Fixture, scheme: Scheme) -> tuple[np.ndarray, np.ndarray, n
 
 
 def reference_request(
-    model: str, forward: str, jobs: Sequence[VerifyJob], scheme: Scheme
+    model: str, forward: str, jobs: Sequence[VerifyJob], scheme: SchemeSpec
 ) -> tuple[dict[str, Any], dict[VerifyJob, int], dict[str, np.ndarray]]:
     """(the request for the reference process, each job's weighting index, each fixture's
     group keys). Jobs whose intended weights are bit-identical share one weighting."""
@@ -118,7 +118,7 @@ def model_reference(
     model: str,
     forward: str,
     jobs: Sequence[VerifyJob],
-    scheme: Scheme,
+    scheme: SchemeSpec,
     *,
     timeout_s: float,
 ) -> ModelReference:
@@ -149,7 +149,7 @@ def model_reference(
 def torch_group_basis(
     model: Any,
     fixture: Fixture,
-    scheme: str | Scheme,
+    scheme: str | SchemeSpec,
     forward: Callable[..., Any] | None = None,
 ) -> GroupBasis:
     """The `GroupBasis` of `fixture` under `scheme`'s units, computed by the torch `model` (an
@@ -170,7 +170,7 @@ def jax_group_basis(
     apply_fn: Callable[..., Any],
     params: Any,
     fixture: Fixture,
-    scheme: str | Scheme,
+    scheme: str | SchemeSpec,
     forward: Callable[..., Any] | None = None,
 ) -> GroupBasis:
     """`torch_group_basis` for a JAX model: ``apply_fn(params, inputs)`` returns logits (or

@@ -1,7 +1,7 @@
 """What `crosscheck.verify` found: one `VerifyCase` per fixture and layout, and the report.
 
-A `VerifyReport` holds the intended scheme (the `Scheme` object, so ``Constant(C)`` keeps its
-C) and every case's diagnosis. Its name for a failing step is the one that explains *every*
+A `VerifyReport` holds the intended scheme (its `SchemeSpec`, so ``Constant(C)`` keeps
+its C) and every case's diagnosis. Its name for a failing step is the one that explains *every*
 case of the run (``crosscheck.diagnosis.naming.headline``), never one case's best match; its
 `message` says the verdict, what it rests on, the name and the fix, in words, and `to_json`
 the same as a record.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from crosscheck.contract.schemes import Scheme
+from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.diagnose import Diagnosis
 from crosscheck.diagnosis.explain import FAMILY_FIXES, GUIDE
 from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, headline, name_of
@@ -50,7 +50,7 @@ class VerifyCase:
 class VerifyReport:
     framework: str
     step: str
-    scheme: Scheme
+    scheme: SchemeSpec
     #: What was asked: "auto" or a level.
     precision: str = "auto"
     cases: list[VerifyCase] = field(default_factory=list)
@@ -141,7 +141,7 @@ class VerifyReport:
         text = ", ".join(f"({R}, {M})" for R, M in layouts)
         level = LEVEL_NAMES.get(self.level or "", "no precision")
         return (
-            f"{self.scheme.spec} on fixtures {', '.join(fixtures)} at layouts (R, M) {text}, "
+            f"{self.scheme.name} on fixtures {', '.join(fixtures)} at layouts (R, M) {text}, "
             f"{level}"
         )
 
@@ -151,7 +151,7 @@ class VerifyReport:
         tol = f"tolerance {tolerance(level):.0e}" if level else "no precision"
         verdict = "matches" if self.ok else "does NOT match"
         lines = [
-            f"{self.step} ({self.framework}) {verdict} {self.scheme.spec} on "
+            f"{self.step} ({self.framework}) {verdict} {self.scheme.name} on "
             f"{len(self.cases)} fixture/layout cases at {LEVEL_NAMES.get(level or '', '-')} "
             f"(worst relative error {self.max_rel_err:.2e}, {tol})."
         ]
@@ -217,7 +217,7 @@ class VerifyReport:
             "framework": self.framework,
             "step": self.step,
             "model": self.model or None,
-            "scheme": self.scheme.spec,
+            "scheme": self.scheme.name,
             "precision": self.level,
             "precision_requested": self.precision,
             "max_rel_err": finite_or_none(self.max_rel_err),

@@ -20,9 +20,9 @@ A ``--step`` that names a module or function that does not exist is a set-up err
 failing case: `check_step` (``crosscheck.verification.step_check``) finds it before any
 process starts and `verify` raises `StepSetupError` (a ValueError) once, naming what is missing.
 
-The intended scheme is resolved once (`get_scheme`: a `Scheme` object passes through as it
-is, a name such as ``constant:4096`` is read) and that object goes to every judgement and
-into the report: no step of the path turns it back into a name, so ``Constant(C)`` keeps C.
+The intended scheme is resolved once (`resolve_scheme`: a `SchemeSpec` passes through as it
+is, a name such as ``constant:4096`` is read) and that spec goes to every judgement and into
+the report: no step of the path turns it back into a name, so ``Constant(C)`` keeps C.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from crosscheck.contract.schemes import Scheme
-from crosscheck.contract.spec_scheme import SpecScheme, resolve_scheme
+from crosscheck.contract.schemes import is_v1_scheme, resolve_scheme
+from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.diagnosis.verdict import PRECISIONS
 from crosscheck.fixtures.builtin import builtin_fixture
@@ -110,7 +110,7 @@ def jobs_for(
 
 def judge(
     job: VerifyJob,
-    scheme: Scheme,
+    scheme: SchemeSpec,
     output: VerifyOutput | BaseException,
     precision: str = "auto",
     reference: ModelReference | None = None,
@@ -144,7 +144,7 @@ def verify(
     step: str | Callable,
     *,
     framework: Framework,
-    scheme: str | Scheme,
+    scheme: str | SchemeSpec,
     fixtures: Sequence[str] | None = None,
     world_sizes: Sequence[int] | None = None,
     accum_steps: Sequence[int] | None = None,
@@ -159,9 +159,10 @@ def verify(
 ) -> VerifyReport:
     """Run `step` (see crosscheck.verification.protocol) on every fixture and layout and judge it.
 
-    `scheme` is a Scheme object (``Constant(4096)`` keeps its C), a name (``constant:4096``
-    reads as that; a trainer mode such as ``group_token_mean``), a `SchemeSpec` or its dict,
-    or ``module:object`` naming one (`resolve_scheme`); a spec is checked on SPEC_FIXTURES.
+    `scheme` is a `SchemeSpec` (``Constant(4096)`` keeps its C) or its dict, a name
+    (``constant:4096`` reads as that; a trainer mode such as ``group_token_mean``), or
+    ``module:object`` naming one (`resolve_scheme`); a scheme beyond contract v1's is checked
+    on SPEC_FIXTURES.
     Layouts default to DEFAULT_LAYOUTS; given `world_sizes` and/or
     `accum_steps`, their product (the missing one defaults to (1, 2)). `dtype` is the dtype
     of the model / params handed to the step. `precision` is "auto" (the finest level the
@@ -184,7 +185,7 @@ def verify(
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     intended = resolve_scheme(scheme)
-    if fixtures is None and isinstance(intended, SpecScheme):
+    if fixtures is None and not is_v1_scheme(intended):
         fixtures = SPEC_FIXTURES
     if not intended.intended:
         raise ValueError(f"verify checks an intended scheme; {intended.name!r} is accidental")
@@ -197,7 +198,7 @@ def verify(
         raise StepSetupError(missing)
     name = step_name(step)
     jobs = jobs_for(
-        fixtures, world_sizes, accum_steps, dtype, row_fields=isinstance(intended, SpecScheme)
+        fixtures, world_sizes, accum_steps, dtype, row_fields=not is_v1_scheme(intended)
     )
     # Where the step runs: torch ranks on a device, JAX workers on a platform (docs/gpu.md); a
     # device that is not there is a set-up error (DeviceError, a ValueError).
