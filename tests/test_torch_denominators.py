@@ -37,7 +37,7 @@ from crosscheck.run.torch_runner import run_resume
 from torch_impl.batch import BATCH_KEYS, rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.division import divide_exactly
-from torch_impl.harness.cases import CaseOutput, UpdateCase, run_cases
+from torch_impl.harness.cases import RankOutput, UpdateCase, run_cases
 from torch_impl.harness.launcher import launch
 from torch_impl.mean_loss import accumulate_mean_loss
 from torch_impl.model import BilinearLM, numpy_grads
@@ -190,7 +190,7 @@ def _run(rank: int, world_size: int, module_cases: list[UpdateCase]) -> tuple:
 
 
 @functools.cache
-def results() -> tuple[dict[str, list[CaseOutput]], list[dict]]:
+def results() -> tuple[dict[str, list[RankOutput]], list[dict]]:
     """label -> every rank's output; and every rank's `_postnorm_division`."""
     module_cases = cases()
     per_rank = launch(_run, WORLD_SIZE, (module_cases,), timeout_s=LAUNCH_TIMEOUT_S)

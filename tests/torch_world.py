@@ -24,7 +24,7 @@ from crosscheck import (
 )
 from crosscheck.contract.layout import IGNORE_INDEX
 from crosscheck.contract.optimizers import OptimizerConfig, UpdateRecord, train
-from torch_impl.harness.cases import CaseOutput, UpdateCase, run_cases
+from torch_impl.harness.cases import RankOutput, UpdateCase, run_cases
 from torch_impl.harness.launcher import launch
 from torch_impl.optimizers import OptimizerSpec
 
@@ -232,7 +232,7 @@ def cases_for(world_size: int) -> list[UpdateCase]:
 
 
 @functools.cache
-def world_results(world_size: int) -> dict[str, list[CaseOutput]]:
+def world_results(world_size: int) -> dict[str, list[RankOutput]]:
     """label -> [rank 0's output, ..., rank R-1's], for every case of `cases_for(R)`."""
     cases = cases_for(world_size)
     per_rank = launch(run_cases, world_size, (cases,), timeout_s=LAUNCH_TIMEOUT_S)

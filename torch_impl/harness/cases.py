@@ -140,7 +140,10 @@ class UpdateOutput:
 
 
 @dataclass(frozen=True, slots=True)
-class CaseOutput:
+class RankOutput:
+    """One rank's outcome of one case (`crosscheck.contract.cases.CaseOutput` is the case's,
+    gathered over every rank by the harness)."""
+
     label: str
     rank: int
     #: What the wrapper's gradient reduction measured as (see torch_impl.probe).
@@ -208,7 +211,7 @@ class _WrapperCache:
         return self.get(dataclasses.replace(case, dtype=PROBE_DTYPE)).reduction
 
 
-def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) -> CaseOutput:
+def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) -> RankOutput:
     """Every update of one case on this rank (from a checkpoint, to a stop, when it says so)."""
     model = wrapped.model
     # A reused wrapper starts clean: no gradient left over from an earlier case's stop.
@@ -238,7 +241,7 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
         raise ValueError(
             f"case {case.label!r}: the stop comes before the checkpoint's position {resumed_at}"
         )
-    output = CaseOutput(case.label, rank, wrapped.reduction, s, first_update=first_update)
+    output = RankOutput(case.label, rank, wrapped.reduction, s, first_update=first_update)
     for _ in range(first_update, stop):
         mean_losses: list[float] = []
         if case.strategy == "precount":
@@ -312,7 +315,7 @@ def _stop_and_save(
     model.zero_grad(set_to_none=True)
 
 
-def run_cases(rank: int, world_size: int, cases: Sequence[UpdateCase]) -> list[CaseOutput]:
+def run_cases(rank: int, world_size: int, cases: Sequence[UpdateCase]) -> list[RankOutput]:
     """Run `cases` in order on this rank of an initialized process group (a launcher target).
 
     Every rank must receive the same cases: each one runs collectives.

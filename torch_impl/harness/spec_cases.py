@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from torch_impl.batch import rank_microbatches
 from torch_impl.harness.cases import (
-    CaseOutput,
     FrontEnd,
+    RankOutput,
     UpdateCase,
     _Wrapped,
     _WrapperCache,
@@ -107,14 +107,14 @@ def run_spec_case(case: SpecCase, wrapped: _Wrapped, rank: int, world_size: int)
 
 def run_mixed_cases(
     rank: int, world_size: int, cases: Sequence[SpecCase | UpdateCase]
-) -> list[SpecOutput | CaseOutput]:
+) -> list[SpecOutput | RankOutput]:
     """Run spec and update cases in order on this rank (a launcher target; same cases on
     every rank: each one runs collectives)."""
     if not dist.is_initialized():
         raise RuntimeError(f"rank {rank}: run_mixed_cases needs an initialized process group")
     torch.manual_seed(0)
     wrappers = _WrapperCache(rank, world_size)
-    out: list[SpecOutput | CaseOutput] = []
+    out: list[SpecOutput | RankOutput] = []
     for case in cases:
         # _WrapperCache reads only the attributes both case types share (see SpecCase).
         wrapped = wrappers.get(case)  # type: ignore[arg-type]
