@@ -101,7 +101,7 @@ EOF
 
 # The analytic matrix at R = 1 on the GPU. jax-multiprocess stays out: its workers run on
 # the CPU with gloo collectives (docs/gpu.md).
-check run 200 "$PYTHON" -m crosscheck run --world-sizes 1 --accum 1,2 --dtypes float64,float32 \
+check run 200 "$PYTHON" -m crosscheck run --world-sizes 1 --accum-steps 1,2 --dtypes float64,float32 \
   --impls oracle,jax-pmap,jax-shard_map,jax-jit,torch-ddp,torch-fsdp2 \
   --no-world-size-change --no-resume --device cuda --platform gpu --json "$OUT/run.json"
 
@@ -109,7 +109,7 @@ check run 200 "$PYTHON" -m crosscheck run --world-sizes 1 --accum 1,2 --dtypes f
 check bench 120 "$PYTHON" -m crosscheck bench --device cuda --ranks 1 --json "$OUT/bench.json"
 
 # A float32 step, TF32 matmuls on and off, in each framework.
-VERIFY=(-m crosscheck verify --scheme token_mean --dtype float32 --world-sizes 1 --accum "1,2")
+VERIFY=(-m crosscheck verify --scheme token_mean --dtype float32 --world-sizes 1 --accum-steps "1,2")
 check tf32-torch-on 45 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \
   --step scripts.gpu_tf32_steps:step_tf32 --json "$OUT/tf32-torch-on.json"
 check tf32-torch-off 45 "$PYTHON" "${VERIFY[@]}" --framework torch --device cuda \

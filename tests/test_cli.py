@@ -21,7 +21,7 @@ def run_crosscheck(*argv: str, timeout: float) -> subprocess.CompletedProcess:
 
 def test_main_leaves_the_callers_numpy_error_state_alone(tmp_path):
     before = np.geterr()
-    main(["run", "--impls", "oracle", "--fixture", "seed", "--no-resume"])
+    main(["run", "--impls", "oracle", "--fixtures", "seed", "--no-resume"])
     assert np.geterr() == before
 
 
@@ -70,13 +70,13 @@ def test_run_filters_fixtures_schemes_and_layouts(tmp_path):
     code = main(
         [
             "run",
-            "--fixture",
+            "--fixtures",
             "packed",
             "--schemes",
             "token_mean,row_mean",
             "--world-sizes",
             "1,2",
-            "--accum",
+            "--accum-steps",
             "2",
             "--impls",
             "oracle",
@@ -112,13 +112,13 @@ def test_run_refuses_an_unknown_implementation():
 
 
 def test_run_refuses_a_world_size_that_divides_no_named_fixture():
-    code = main(["run", "--world-sizes", "3", "--fixture", "packed", "--impls", "oracle"])
+    code = main(["run", "--world-sizes", "3", "--fixtures", "packed", "--impls", "oracle"])
     assert code == 2
 
 
 def test_default_lists_are_not_explicit_and_named_ones_are():
     from crosscheck.cli.commands import _plan, build_parser
 
-    plan = _plan(build_parser().parse_args(["run", "--impls", "oracle", "--accum", "1"]))
+    plan = _plan(build_parser().parse_args(["run", "--impls", "oracle", "--accum-steps", "1"]))
     assert plan.explicit == {"impls", "accum_steps"}
     assert plan.world_sizes == [1, 2, 4] and plan.strategies == ["precount", "postnorm"]

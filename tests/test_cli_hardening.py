@@ -9,6 +9,7 @@ Every test asserts the outcome (exit status, files, processes) and the message.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import math
@@ -44,7 +45,13 @@ from crosscheck.diagnosis.patterns import PATTERNS, BugRun
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
 from crosscheck.fixtures.vectors import MANIFEST_NAME, export_vectors
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.verification.verifier import StepSetupError, VerifyReport, judge, verify
+from crosscheck.verification.verifier import (
+    FRAMEWORKS,
+    StepSetupError,
+    VerifyReport,
+    judge,
+    verify,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -215,8 +222,8 @@ def test_a_run_whose_implementation_times_out_exits_3_and_says_so(capsys, monkey
     report = tmp_path / "run.json"
     code, lines = _main(
         capsys,
-        *("run", "--impls", "torch-ddp", "--fixture", "packed", "--schemes", "token_mean"),
-        *("--strategies", "precount", "--world-sizes", "2", "--accum", "1", "--no-resume"),
+        *("run", "--impls", "torch-ddp", "--fixtures", "packed", "--schemes", "token_mean"),
+        *("--strategies", "precount", "--world-sizes", "2", "--accum-steps", "1", "--no-resume"),
         *("--no-world-size-change", "--json", str(report)),
     )
     assert code == exit_codes.STEP_FAILED, lines
@@ -254,7 +261,7 @@ def test_output_paths_are_checked_before_any_work(
     # missing parent that cannot be created whoever runs the tests.
     afile = tmp_path / "afile"
     afile.write_text("not a directory")
-    run = ("run", "--impls", "oracle", "--fixture", "seed", "--no-resume")
+    run = ("run", "--impls", "oracle", "--fixtures", "seed", "--no-resume")
     cases = [
         (
             [*run, "--json", str(afile / "out.json")],
@@ -320,7 +327,7 @@ def test_output_directories_that_do_not_exist_yet_are_created(tmp_path, capsys):
     out = tmp_path / "new" / "deeper"
     code, lines = _main(
         capsys,
-        *("run", "--impls", "oracle", "--fixture", "seed", "--no-resume"),
+        *("run", "--impls", "oracle", "--fixtures", "seed", "--no-resume"),
         *("--json", str(out / "run.json"), "--log", str(tmp_path / "logs" / "run.jsonl")),
     )
     assert code == exit_codes.OK, lines
@@ -355,6 +362,59 @@ def test_a_step_that_does_not_exist_is_one_setup_error(framework, tmp_path):
         assert proc.stderr.splitlines() == [f"crosscheck verify: --step {step}: {why}"]
         assert proc.stdout == ""
         assert took < 30, took  # no runner was started (a torch launch alone takes longer)
+
+
+@pytest.mark.parametrize(
+    ("framework", "source", "why"),
+    [
+        (
+            "torch",
+            "def step(model, microbatches)\n    pass\n",
+            "{dir}/mysteps.py:1: SyntaxError: expected ':'",
+        ),
+        (
+            "jax",
+            "def step(model, microbatches):\n    pass\n",
+            "step(model, microbatches) cannot take jax's (params, apply_fn, batch, mesh[, "
+            "optimizer]): too many positional arguments; it takes torch's (model, "
+            "microbatches): --framework torch?",
+        ),
+        (
+            "torch",
+            "def step(params, apply_fn, batch, mesh, optimizer=None):\n    return {}\n",
+            "step(params, apply_fn, batch, mesh, optimizer=None) cannot take torch's (model, "
+            "microbatches[, optimizer]): missing a required argument: 'batch'; it takes jax's "
+            "(params, apply_fn, batch, mesh): --framework jax?",
+        ),
+    ],
+    ids=["syntax-error", "torch-step-under-jax", "jax-step-under-torch"],
+)
+def test_a_step_that_cannot_run_is_one_setup_error_before_any_process(
+    framework, source, why, tmp_path, monkeypatch, capsys
+):
+    """Read from its source, never run: a syntax error or parameters the framework's call
+    cannot bind are refused up front, one line on stderr, exit 2, no runner started."""
+    (tmp_path / "mysteps.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+
+    real_import = importlib.import_module
+
+    def no_runner(name, *args, **kwargs):
+        if name in FRAMEWORKS.values():
+            raise AssertionError(f"the runner {name} was started")
+        return real_import(name, *args, **kwargs)
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("a subprocess started")
+
+    monkeypatch.setattr(importlib, "import_module", no_runner)
+    monkeypatch.setattr("crosscheck.verification.step_check.subprocess.Popen", no_subprocess)
+    argv = ["verify", "--framework", framework, "--step", "mysteps:step", "--scheme", "token_mean"]
+    assert main(argv) == exit_codes.SETUP_ERROR
+    out = capsys.readouterr()
+    assert out.out == ""
+    expected = why.format(dir=tmp_path)
+    assert out.err.splitlines() == [f"crosscheck verify: --step mysteps:step: {expected}"]
 
 
 def test_the_python_api_refuses_a_missing_step_before_any_process(tmp_path, monkeypatch):
@@ -420,7 +480,7 @@ def test_an_inf_gradient_is_reported_where_it_is_with_json_and_exit_1(framework,
     proc = _cli(
         *("verify", "--framework", framework, "--step", "infstep:step"),
         *("--scheme", "token_mean", "--fixtures", "packed", "--world-sizes", "2"),
-        *("--accum", "1", "--json", str(out)),
+        *("--accum-steps", "1", "--json", str(out)),
         cwd=tmp_path,
         timeout=180,
     )
@@ -600,6 +660,44 @@ def _assert_stopped_in_one_line(result: _Interrupted, signum: int) -> None:
     assert result.left == [], result.left
 
 
+@pytest.mark.parametrize("delay_s", [1.0, 2.5, 4.0])
+def test_ctrl_c_on_the_terminal_while_torch_starts_gives_one_line(delay_s):
+    """SIGINT to the whole foreground group, as a terminal sends it, at several instants of a
+    torch verify's start, the fork server's seconds of importing torch among them: exit 130,
+    one line on stderr, no traceback from any process, nothing left running."""
+    marker = uuid.uuid4().hex
+    argv = ["verify", "--framework", "torch", "--step", "examples.torch_hf_loss:step"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "crosscheck", *argv, "--scheme", "token_mean"],
+        cwd=ROOT,
+        env={**os.environ, MARKER: marker},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group: the test plays the terminal
+    )
+    try:
+        time.sleep(delay_s)
+        running = _marked(marker)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+        left = _marked(marker)
+        give_up = time.monotonic() + 1.0  # a SIGKILLed process takes a moment to be a zombie
+        while left and time.monotonic() < give_up:
+            time.sleep(0.05)
+            left = _marked(marker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        _kill_marked(marker)
+    result = _Interrupted(running, took, proc.returncode, out, err, left)
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
+    _assert_stopped_in_one_line(result, signal.SIGINT)
+
+
 @pytest.mark.parametrize(
     ("framework", "step", "cwd", "signum"),
     [
@@ -620,7 +718,7 @@ def test_an_interrupted_verify_stops_every_process_and_says_so_in_one_line(
 
     argv = [
         *("verify", "--framework", framework, "--step", step, "--scheme", "token_mean"),
-        *("--fixtures", "ragged", "--world-sizes", "2", "--accum", "1", "--timeout", "120"),
+        *("--fixtures", "ragged", "--world-sizes", "2", "--accum-steps", "1", "--timeout", "120"),
     ]
     result = _interrupt_cli(argv, cwd, signum, started, 1.5 if framework == "jax" else 0.0)
     assert len(result.running) >= 2, result.running  # the CLI and what it started
@@ -633,7 +731,7 @@ def test_an_interrupted_run_ends_its_worker_threads_and_every_process():
     must neither keep the interpreter alive nor leave a process behind."""
     argv = [
         *("run", "--no-resume", "--impls", "torch-ddp,jax-pmap,jax-multiprocess"),
-        *("--fixture", "packed,ragged"),
+        *("--fixtures", "packed,ragged"),
     ]
 
     def under_way(proc: subprocess.Popen, marker: str) -> bool:

@@ -120,7 +120,7 @@ def test_settings_are_unique_and_their_commands_parse_as_verify():
         args = build_parser().parse_args(setting.command()[3:])
         assert (args.command, args.step, args.scheme) == ("verify", setting.step, setting.scheme)
         assert args.world_sizes == list(setting.world_sizes)
-        assert args.accum == list(setting.accum)
+        assert args.accum_steps == list(setting.accum)
         assert args.model == setting.model
 
 
@@ -138,8 +138,8 @@ def test_differing_rows_fail_and_rows_that_could_not_run_are_exit_3():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--framework", "jaxx"], "unknown framework 'jaxx'"),
-        (["--framework", "transformers", "--setting", "nope"], "unknown setting 'nope'"),
+        (["--frameworks", "jaxx"], "unknown framework 'jaxx'"),
+        (["--frameworks", "transformers", "--settings", "nope"], "unknown setting 'nope'"),
         (["--json", "/proc/x/y.json"], "--json"),
     ],
 )
@@ -156,17 +156,17 @@ def test_a_named_framework_that_is_not_installed_is_refused(monkeypatch, capsys)
     monkeypatch.setattr(
         runner, "installed_version", lambda name: None if name == "trl" else real(name)
     )
-    assert main(["conformance", "--framework", "trl"]) == exit_codes.SETUP_ERROR
+    assert main(["conformance", "--frameworks", "trl"]) == exit_codes.SETUP_ERROR
     out = capsys.readouterr()
     assert out.out == ""
     [line] = out.err.splitlines()
-    assert line.startswith("crosscheck conformance: --framework trl: ")
+    assert line.startswith("crosscheck conformance: --frameworks trl: ")
     assert "trl not installed" in line and "gradweight[hf]" in line
 
 
 def test_listed_rows_run_nothing_and_say_why(tmp_path):
     path = tmp_path / "rows.json"
-    assert main(["conformance", "--framework", "megatron-core", "--json", str(path)]) == 0
+    assert main(["conformance", "--frameworks", "megatron-core", "--json", str(path)]) == 0
     (row,) = json.loads(path.read_text())["rows"]
     assert row["outcome"] == "not run here"
     assert "CUDA" in row["not_run"] and row["prediction"]
@@ -189,7 +189,7 @@ REAL_RUNS = [
 def test_a_real_framework_setting_gets_its_expected_verdict(key, verdict, tmp_path):
     setting = _only(key)
     path = tmp_path / "row.json"
-    argv = ["conformance", "--framework", setting.framework, "--setting", setting.setting]
+    argv = ["conformance", "--frameworks", setting.framework, "--settings", setting.setting]
     assert main([*argv, "--json", str(path), "--markdown", str(tmp_path / "c.md")]) == 0
     (row,) = json.loads(path.read_text())["rows"]
     assert (row["verdict"], row["outcome"]) == (verdict, "as expected")

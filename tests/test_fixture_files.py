@@ -311,26 +311,26 @@ def test_run_verify_and_bugs_take_a_fixture_file_from_the_command_line(tmp_path:
     mine = tmp_path / "mine.npz"
     builtin_fixture("packed").save(mine)
     run = _cli(
-        "run", "--fixture", "mine.npz", "--impls", "oracle,torch-ddp", "--no-resume",
-        "--world-sizes", "2", "--accum", "1,2", cwd=tmp_path,
+        "run", "--fixtures", "mine.npz", "--impls", "oracle,torch-ddp", "--no-resume",
+        "--world-sizes", "2", "--accum-steps", "1,2", cwd=tmp_path,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "0 failed" in run.stdout
     step = "examples.torch_torchtitan:step"
     verify = _cli(
         "verify", "--framework", "torch", "--step", step, "--scheme", "token_mean",
-        "--fixtures", str(mine), "--world-sizes", "2", "--accum", "2", cwd=repo,
+        "--fixtures", str(mine), "--world-sizes", "2", "--accum-steps", "2", cwd=repo,
     )  # fmt: skip
     assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
     bugs = _cli(
-        "bugs", "--fixture", "mine.npz", "--frameworks", "torch",
+        "bugs", "--fixtures", "mine.npz", "--frameworks", "torch",
         "--patterns", "rank-mean,missing-world-size", cwd=tmp_path,
     )  # fmt: skip
     assert bugs.returncode == 0, bugs.stdout[-2000:] + bugs.stderr[-2000:]
     assert str(mine) in bugs.stdout and "4 of 4 buggy steps detected and named" in bugs.stdout
     with open(mine, "r+b") as f:
         f.truncate(100)
-    cut = _cli("run", "--fixture", "mine.npz", "--impls", "oracle", cwd=tmp_path)
+    cut = _cli("run", "--fixtures", "mine.npz", "--impls", "oracle", cwd=tmp_path)
     assert cut.returncode == 2, cut.stdout[-2000:] + cut.stderr[-2000:]
     assert cut.stdout == ""  # a set-up error: one line on stderr, nothing where results go
     [line] = cut.stderr.splitlines()

@@ -47,8 +47,8 @@ from jax_impl.harness.multiprocess import worker_env
 LAUNCH_TIMEOUT_S = 300
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 VERIFY = ["-m", "crosscheck", "verify", "--scheme", "token_mean", "--timeout", "120"]
-JAX_RUN = [sys.executable, "-m", "crosscheck", "run", "--fixture", "packed"]
-JAX_RUN += ["--schemes", "token_mean,sequence_mean,rank_mean", "--accum", "1,2"]
+JAX_RUN = [sys.executable, "-m", "crosscheck", "run", "--fixtures", "packed"]
+JAX_RUN += ["--schemes", "token_mean,sequence_mean,rank_mean", "--accum-steps", "1,2"]
 
 
 @dataclass
@@ -103,7 +103,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Finishe
         # The matrix's torch rows, their launch run inside torchrun's two ranks.
         report, log = tmp / "torch-run.json", tmp / "torch-run.log"
         command = [*TORCHRUN, "-m", "crosscheck", "run", "--impls", "oracle,torch-ddp"]
-        command += ["--fixture", "packed", "--schemes", "token_mean,rank_mean", "--accum", "1,2"]
+        command += ["--fixtures", "packed", "--schemes", "token_mean,rank_mean"]
+        command += ["--accum-steps", "1,2"]
         started["torch-run"] = [
             (_start([*command, "--json", str(report)], _env(), log), log, report)
         ]
@@ -113,11 +114,11 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Finishe
         # ranks).
         jax_jobs = {
             "jax-pass": (
-                [*jax_verify, "--step", "examples.jax_token_weighted:step", "--accum", "1,2"],
+                [*jax_verify, "--step", "examples.jax_token_weighted:step", "--accum-steps", "1,2"],
                 1,
             ),
             "jax-fail": (
-                [*jax_verify, "--step", "examples.jax_optax_multisteps:step", "--accum", "2"],
+                [*jax_verify, "--step", "examples.jax_optax_multisteps:step", "--accum-steps", "2"],
                 1,
             ),
             "jax-run": (JAX_RUN, 1),

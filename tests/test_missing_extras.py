@@ -57,8 +57,8 @@ def test_a_default_run_skips_what_is_not_installed_and_says_why(absent, capsys, 
     report = tmp_path / "run.json"
     code, lines = _main(
         capsys,
-        *("run", "--fixture", "packed", "--schemes", "token_mean", "--world-sizes", "2"),
-        *("--accum", "2", "--json", str(report)),
+        *("run", "--fixtures", "packed", "--schemes", "token_mean", "--world-sizes", "2"),
+        *("--accum-steps", "2", "--json", str(report)),
     )
     assert code == exit_codes.OK, lines
     payload = json.loads(report.read_text())
@@ -78,7 +78,7 @@ def test_a_default_run_skips_what_is_not_installed_and_says_why(absent, capsys, 
 def test_an_implementation_asked_for_by_name_is_refused_when_not_installed(absent, capsys):
     absent("jax")
     code, lines = _refused(
-        capsys, "run", "--impls", "oracle,torch-ddp,jax-pmap", "--fixture", "packed"
+        capsys, "run", "--impls", "oracle,torch-ddp,jax-pmap", "--fixtures", "packed"
     )
     assert code == exit_codes.SETUP_ERROR
     assert lines == [
@@ -128,7 +128,14 @@ def test_bugs_without_a_framework_names_it_and_the_way_around(absent, capsys):
 def test_plot_without_matplotlib_is_refused_before_the_run(absent, capsys, tmp_path):
     absent("matplotlib")
     code, lines = _refused(
-        capsys, "run", "--impls", "oracle", "--fixture", "packed", "--plot", str(tmp_path / "w.png")
+        capsys,
+        "run",
+        "--impls",
+        "oracle",
+        "--fixtures",
+        "packed",
+        "--plot",
+        str(tmp_path / "w.png"),
     )
     assert code == exit_codes.SETUP_ERROR
     assert lines == [

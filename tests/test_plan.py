@@ -68,7 +68,7 @@ def no_process_may_start(monkeypatch):
 
 def test_world_size_3_on_seed_exits_2_naming_the_fixture_its_rows_and_the_layouts():
     completed = subprocess.run(
-        [sys.executable, "-m", "crosscheck", "run", "--world-sizes", "3", "--fixture", "seed"],
+        [sys.executable, "-m", "crosscheck", "run", "--world-sizes", "3", "--fixtures", "seed"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -296,9 +296,9 @@ def dropping_run(tmp_path_factory):
         patch.setattr(torch_runner, "jobs", jobs)
         patch.setattr(torch_runner, "run_resume", run_resume)
         code, printed = run_cli(
-            *("--impls", "torch-ddp", "--fixture", "packed"),
+            *("--impls", "torch-ddp", "--fixtures", "packed"),
             *("--schemes", "token_mean,sequence_mean", "--strategies", "precount"),
-            *("--world-sizes", "1", "--accum", "1", "--no-world-size-change"),
+            *("--world-sizes", "1", "--accum-steps", "1", "--no-world-size-change"),
             *("--json", str(out)),
         )
     return code, printed, json.loads(out.read_text()), dropped_resume

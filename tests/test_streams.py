@@ -71,7 +71,7 @@ VERIFY = ("verify", "--framework", "torch", "--step", "examples.torch_torchtitan
         (("bugs", "--frameworks", "tensorflow"), "crosscheck bugs: unknown framework"),
         (("bugs", "--patterns", "no-such-pattern"), "crosscheck bugs: unknown pattern"),
         (("bench", "--ranks", "0"), "crosscheck bench: --ranks must be at least 1, got 0"),
-        (("conformance", "--framework", "jaxx"), "crosscheck conformance: unknown framework"),
+        (("conformance", "--frameworks", "jaxx"), "crosscheck conformance: unknown framework"),
     ],
 )
 def test_every_commands_set_up_error_is_one_line_on_stderr(
@@ -127,7 +127,7 @@ def _directory_named(command: str, option: str, written: str) -> str:
     )
 
 
-RUN = ("run", "--impls", "oracle", "--fixture", "seed", "--no-resume")
+RUN = ("run", "--impls", "oracle", "--fixtures", "seed", "--no-resume")
 
 
 @pytest.mark.parametrize(
@@ -228,9 +228,9 @@ def test_a_bad_fixture_file_gets_our_own_message_and_is_never_unpickled(
 ):
     path, why = _bad_files(tmp_path)[kind]
     argv = {
-        "run": (*RUN[:3], "--fixture", str(path)),
+        "run": (*RUN[:3], "--fixtures", str(path)),
         "verify": (*VERIFY, "--scheme", "token_mean", "--fixtures", str(path)),
-        "bugs": ("bugs", "--frameworks", "torch", "--fixture", str(path)),
+        "bugs": ("bugs", "--frameworks", "torch", "--fixtures", str(path)),
     }[command]
     code, line = _refused(capsys, *argv)
     assert code == exit_codes.SETUP_ERROR

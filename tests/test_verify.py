@@ -79,7 +79,7 @@ def test_example_through_the_cli(step, tmp_path):
         "ragged",
         "--world-sizes",
         "2",
-        "--accum",
+        "--accum-steps",
         "2",
         "--json",
         str(path),

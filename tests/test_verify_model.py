@@ -62,7 +62,7 @@ def _cli(
         "packed",
         "--world-sizes",
         "2",
-        "--accum",
+        "--accum-steps",
         "2",
         "--json",
         str(json_path),

@@ -55,7 +55,7 @@ def test_constant_is_judged_with_its_own_normalizer(tmp_path):
             "packed",
             "--world-sizes",
             "2",
-            "--accum",
+            "--accum-steps",
             "4",
             "--json",
             str(path),
@@ -150,15 +150,80 @@ def test_a_case_that_could_not_run_is_never_named_as_a_weighting():
     )
     assert not report.ok and report.best_match == "error"
     assert report.fix() == "" and "Fix:" not in report.message()
-    assert "Every case that ran matches; 1 could not be run or read" in report.message()
+    headline = report.message().splitlines()[0]
+    assert headline.startswith(
+        "my:step (torch) could not run 1 of its 2 fixture/layout cases (below); the 1 that ran "
+        "match token_mean at float64-exact (worst relative error "
+    ), headline
     assert report.to_json()["diagnosis"]["best_match"] == "error"
+
+
+def _report(*outcomes):
+    """A report of the given (job, output or StepError) pairs, judged as verify judges."""
+    from crosscheck.contract.schemes import get_scheme
+    from crosscheck.verification.verifier import VerifyReport, judge
+
+    scheme = get_scheme("token_mean")
+    cases = [judge(job, scheme, output) for job, output in outcomes]
+    return VerifyReport(framework="jax", step="my:step", scheme=scheme, cases=cases)
+
+
+def test_each_outcome_has_one_honest_headline_without_a_dash_or_inf():
+    """verified / does NOT match / could not run: one sentence each, no '-' or 'inf' standing
+    for a value the run does not have."""
+    import math
+
+    import numpy as np
+
+    from crosscheck.contract.oracle import loss_and_grad
+    from crosscheck.fixtures.builtin import builtin_fixture
+    from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
+
+    job = VerifyJob(fixture="packed", world_size=2, accum_steps=2)
+    grads = loss_and_grad(builtin_fixture("packed"), "token_mean", 2, 2).grads
+    nan = {k: np.full_like(v, math.nan) for k, v in grads.items()}
+    hung = StepError("packed R=2 M=2: did not finish within 10 s")
+    headlines = {
+        "verified": _report((job, VerifyOutput(grads))),
+        "nothing ran": _report((job, hung)),
+        "non-finite": _report((job, VerifyOutput(nan))),
+    }
+    lines = {name: report.message().splitlines()[0] for name, report in headlines.items()}
+    assert lines["verified"].startswith("my:step (jax) matches token_mean on 1 fixture/layout")
+    assert lines["nothing ran"] == (
+        "my:step (jax) could not run: none of its 1 fixture/layout cases ran (below)."
+    )
+    assert lines["non-finite"].startswith("my:step (jax) does NOT match token_mean on 1 ")
+    assert "a non-finite gradient in 1 case" in lines["non-finite"]
+    for line in lines.values():
+        assert " - " not in line and " at - " not in line and "inf" not in line, line
+
+
+def test_the_sensitivity_line_names_its_level_and_what_strict_would_flag():
+    """A float64-exact pass under auto is guaranteed at float32-level (the verdict could have
+    settled there): the line says so, and gives --strict's far smaller skew."""
+    from crosscheck.contract.oracle import loss_and_grad
+    from crosscheck.fixtures.builtin import builtin_fixture
+    from crosscheck.verification.protocol import VerifyJob, VerifyOutput
+
+    job = VerifyJob(fixture="packed", world_size=2, accum_steps=2)
+    grads = loss_and_grad(builtin_fixture("packed"), "token_mean", 2, 2).grads
+    report = _report((job, VerifyOutput(grads)))
+    assert report.ok and report.level == "float64"
+    line = report.message().splitlines()[2]
+    assert line.startswith(
+        "Judged at float64-exact; under --precision auto a verdict may settle as coarse as "
+        "float32-level, where the run flags one rank's weights scaled by 1 + "
+    ), line
+    strict = float(line.rsplit("--strict flags from 1 + ", 1)[1].rstrip("."))
+    assert 0 < strict < 1e-9  # float64's tolerance is 1e-12: its skew is that small
 
 
 def test_the_cli_takes_strict_and_refuses_a_contradiction(tmp_path):
     def verify_cli(*flags: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "crosscheck", "verify", "--framework", "torch"]
         command += ["--step", "examples.torch_hf_loss:step", "--scheme", "token_mean"]
-        command += ["--fixtures", "packed", "--world-sizes", "2", "--accum", "4", *flags]
+        command += ["--fixtures", "packed", "--world-sizes", "2", "--accum-steps", "4", *flags]
         return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
 
     # HF's loss upcasts to float32: the automatic verdict passes it, the strict one does not.

@@ -314,7 +314,7 @@ def bugs(args: argparse.Namespace, console: Console) -> int:
         return refuse(console, problem)
     try:
         with console.status("running the buggy steps in torch and JAX processes"):
-            result = run_catalogue(tuple(args.frameworks), args.patterns, fixtures=args.fixture)
+            result = run_catalogue(tuple(args.frameworks), args.patterns, fixtures=args.fixtures)
     except ValueError as error:
         return refuse(console, f"crosscheck bugs: {error}")
     print_catalogue(console, result)

@@ -193,7 +193,7 @@ def markdown(rows: list[Row], skipped: list[tuple[Setting, str]], env: dict, wal
         "(`microbatch-skew`: a factor per microbatch; `scale`: every token alike) with its "
         "scale; `expected` is what `expectations.toml` records for this version, and "
         "`evidence` the upstream issue or the documentation it agrees with or contradicts. "
-        "`crosscheck conformance --framework trl` in a framework's own CI fails (exit 1) when "
+        "`crosscheck conformance --frameworks trl` in a framework's own CI fails (exit 1) when "
         "a new version changes a verdict, until the expectation is updated.",
         "",
         f"- date: {env['date']}; gradweight commit {env['gradweight_commit']}",
@@ -245,14 +245,14 @@ def markdown(rows: list[Row], skipped: list[tuple[Setting, str]], env: dict, wal
 def _refusal(args: argparse.Namespace) -> tuple[list[Setting], str]:
     """The chosen settings, or a set-up problem in one line."""
     try:
-        chosen = find_settings(args.framework, args.setting)
+        chosen = find_settings(args.frameworks, args.settings)
     except ValueError as error:
         return [], f"crosscheck conformance: {error}"
-    for name in args.framework or []:
+    for name in args.frameworks or []:
         named = (s for s in chosen if s.framework == name and s.runs)
         why = next((why for s in named if (why := skipped_reason(s))), None)
         if why:
-            return [], f"crosscheck conformance: --framework {name}: {why}"
+            return [], f"crosscheck conformance: --frameworks {name}: {why}"
     problem = check_outputs("conformance", {"--json": args.json, "--markdown": args.markdown})
     return chosen, problem
 

@@ -4,7 +4,7 @@
 then starts its own processes). Otherwise this process is one rank (torch) or one process
 (JAX) of the launcher's job (`crosscheck.launch.external`): the layouts are those of the
 launcher's world size R only (``--world-sizes`` may only repeat it), with the accumulation
-steps of ``--accum`` or, by default, each M the default layouts pair with that R (each M of
+steps of ``--accum-steps`` or, by default, each M the default layouts pair with that R (each M of
 the default layouts when none has that R); every rank runs the step, rank 0 prints the report
 and writes ``--json``, and every rank exits with rank 0's status. A set-up error (exit 2) is
 found alike by every rank before any collective, and only rank 0 prints it.
@@ -91,7 +91,7 @@ def launched_verify(args: argparse.Namespace, console: Console) -> int | None:
                 scheme=args.scheme,
                 fixtures=args.fixtures,
                 world_sizes=[world_size],
-                accum_steps=args.accum or default_accum(world_size),
+                accum_steps=args.accum_steps or default_accum(world_size),
                 timeout_s=args.timeout,
                 precision="float64" if args.strict else args.precision,
                 dtype=args.dtype,

@@ -5,6 +5,11 @@
 the same meaning and take no default here: a list the user names is explicit (every value of
 it must run in some case, or the run is refused); a list left out takes the Plan's default,
 whose product with the others may skip combinations (listed, with their reasons).
+
+One vocabulary across the commands (`OPTION_NAMES`): a list is named in the plural
+(``--fixtures``, ``--frameworks``, ``--world-sizes``, ``--accum-steps``), the same name means the
+same thing wherever it appears, and every option's help says its default. An older spelling
+(`RENAMED`) still works and says once, on stderr, what it is called now.
 """
 
 from __future__ import annotations
@@ -13,12 +18,12 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from crosscheck.cli.outputs import output_file
+from crosscheck.cli.outputs import output_file, print_error
 from crosscheck.contract.cases import STRATEGIES
 from crosscheck.fixtures.builtin import fixture_reference
 from crosscheck.launch.devices import JAX_PLATFORMS, TORCH_DEVICES
 from crosscheck.run.implementations import IMPLEMENTATIONS
-from crosscheck.verification.verifier import DEFAULT_LAYOUTS
+from crosscheck.verification.verifier import DEFAULT_FIXTURES, DEFAULT_LAYOUTS, SPEC_FIXTURES
 
 
 def _int_list(text: str) -> list[int]:
@@ -43,21 +48,64 @@ def _name_list(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
 
 
+_WORLD_SIZES = (
+    "world sizes R (ranks), comma-separated, e.g. 1,2,4; each runs with every accumulation "
+    "step of --accum-steps whose R x M divides a fixture's rows"
+)
+_ACCUM_STEPS = "accumulation steps M (microbatches per rank and update), comma-separated"
+
 #: `crosscheck run`'s list options, in the order --help shows them: the option -> the Plan
 #: list it sets, how its value is read, and its help.
 RUN_LISTS: dict[str, tuple[str, Callable[[str], list], str | None]] = {
-    "--fixture": (
+    "--fixtures": (
         "fixtures",
         _fixture_list,
-        "built-in fixture names or fixture .npz paths, comma-separated",
+        "built-in fixture names or fixture .npz paths, comma-separated (default: every "
+        "built-in fixture)",
     ),
-    "--schemes": ("schemes", _name_list, "scheme names, comma-separated"),
+    "--schemes": (
+        "schemes",
+        _name_list,
+        "scheme names, comma-separated (default: contract v1's eight)",
+    ),
     "--impls": ("impls", _name_list, f"oracle, {', '.join(IMPLEMENTATIONS)} (default: all)"),
-    "--world-sizes": ("world_sizes", _int_list, "default: 1,2,4"),
-    "--accum": ("accum_steps", _int_list, "accumulation steps; default: 1,2"),
+    "--world-sizes": ("world_sizes", _int_list, f"{_WORLD_SIZES} (default: 1,2,4)"),
+    "--accum-steps": ("accum_steps", _int_list, f"{_ACCUM_STEPS} (default: 1,2)"),
     "--strategies": ("strategies", _name_list, f"default: {','.join(STRATEGIES)}"),
-    "--dtypes": ("dtypes", _name_list, "default: float64"),
+    "--dtypes": ("dtypes", _name_list, "float64, float32, bfloat16 (default: float64)"),
 }
+
+#: Older spellings, still read: command -> {old option: the option it is now}.
+RENAMED: dict[str, dict[str, str]] = {
+    "run": {"--fixture": "--fixtures", "--accum": "--accum-steps"},
+    "verify": {"--accum": "--accum-steps"},
+    "bugs": {"--fixture": "--fixtures"},
+    "conformance": {"--framework": "--frameworks", "--setting": "--settings"},
+}
+
+
+class _Renamed(argparse.Action):
+    """An older spelling of an option: parsed as the new one, with one line on stderr."""
+
+    def __init__(self, option_strings, dest, *, new: str, read: Callable, **kwargs) -> None:
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.new, self.read = new, read
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print_error(f"crosscheck: {option_string} is now {self.new} (the old spelling still works)")
+        try:
+            setattr(namespace, self.dest, self.read(values))
+        except argparse.ArgumentTypeError as error:
+            parser.error(f"argument {self.new}: {error}")
+
+
+def _add_renamed(command: argparse.ArgumentParser, name: str) -> None:
+    """`RENAMED`'s old spellings of `name`'s options, after the new ones exist."""
+    by_option = {option: action for action in command._actions for option in action.option_strings}
+    for old, new in RENAMED[name].items():
+        action = by_option[new]
+        read = action.type or (lambda text: text)
+        command.add_argument(old, action=_Renamed, dest=action.dest, new=new, read=read)
 
 
 def run_list_values(args: argparse.Namespace) -> dict[str, list]:
@@ -77,7 +125,7 @@ def _add_placement(command: argparse.ArgumentParser) -> None:
         choices=TORCH_DEVICES,
         default="auto",
         help="torch ranks: cuda (one GPU per rank, NCCL), cpu (gloo) or auto: cuda when torch "
-        "sees at least as many GPUs as the largest world size, else cpu",
+        "sees at least as many GPUs as the largest world size, else cpu (default: auto)",
     )
     command.add_argument(
         "--platform",
@@ -110,7 +158,12 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip the multi-term objective rows (off anyway with --fixture or --schemes)",
     )
-    run.add_argument("--rows", choices=("group", "case"), default="group")
+    run.add_argument(
+        "--rows",
+        choices=("group", "case"),
+        default="group",
+        help="one table row per check and group of like cases, or one per case (default: group)",
+    )
     run.add_argument("--json", type=output_file, help="write every row as JSON here")
     run.add_argument(
         "--log", type=output_file, help="write per-rank per-update metrics as JSONL here"
@@ -123,6 +176,7 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     )
     _add_placement(run)
     _add_multihost(run)
+    _add_renamed(run, "run")
 
 
 def _add_bugs(commands: argparse._SubParsersAction) -> None:
@@ -130,14 +184,21 @@ def _add_bugs(commands: argparse._SubParsersAction) -> None:
         "bugs",
         help="run every known bug pattern in torch and JAX; check each is detected and named",
     )
-    bugs.add_argument("--frameworks", type=_name_list, default=["torch", "jax"], help="torch, jax")
+    bugs.add_argument(
+        "--frameworks",
+        type=_name_list,
+        default=["torch", "jax"],
+        help="torch, jax, comma-separated (default: both)",
+    )
     bugs.add_argument("--patterns", type=_name_list, help="pattern ids (default: all)")
     bugs.add_argument(
-        "--fixture",
+        "--fixtures",
         type=_fixture_list,
-        help="run every pattern on these fixtures instead (built-in names or .npz paths)",
+        help="run every pattern on these fixtures instead (built-in names or .npz paths; "
+        "default: each pattern's own fixtures and layouts)",
     )
     bugs.add_argument("--json", type=output_file, help="write the results as JSON here")
+    _add_renamed(bugs, "bugs")
 
 
 def _add_export(commands: argparse._SubParsersAction) -> None:
@@ -158,7 +219,9 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         "verify",
         help="check your own training step (MODULE:FUNCTION) against the oracle and diagnose it",
     )
-    verify.add_argument("--framework", choices=("torch", "jax"), required=True)
+    verify.add_argument(
+        "--framework", choices=("torch", "jax"), required=True, help="the step's framework"
+    )
     verify.add_argument("--step", required=True, help="MODULE:FUNCTION, importable from here")
     verify.add_argument(
         "--scheme",
@@ -170,18 +233,29 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify.add_argument(
         "--fixtures",
         type=_fixture_list,
-        help="built-in names or fixture .npz paths, comma-separated (default: packed,ragged)",
+        help="built-in names or fixture .npz paths, comma-separated (default: "
+        f"{','.join(DEFAULT_FIXTURES)}; for a scheme beyond contract v1's: "
+        f"{','.join(SPEC_FIXTURES)})",
     )
     layouts = ", ".join(f"{R}x{M}" for R, M in DEFAULT_LAYOUTS)
     verify.add_argument(
-        "--world-sizes", type=_int_list, help=f"default layouts R x M: {layouts} (docs/verify.md)"
+        "--world-sizes",
+        type=_int_list,
+        help="world sizes R (ranks), comma-separated, e.g. 1,2; every R runs with every M "
+        "of --accum-steps, each R x M dividing every fixture's rows, and the one of the two "
+        f"left out is 1,2 (default: the layouts R x M {layouts}, docs/verify.md)",
     )
-    verify.add_argument("--accum", type=_int_list)
+    verify.add_argument(
+        "--accum-steps",
+        type=_int_list,
+        help=f"{_ACCUM_STEPS}; see --world-sizes (default: as --world-sizes)",
+    )
     verify.add_argument(
         "--timeout",
         type=float,
         default=120.0,
-        help="seconds the step gets for the whole run in each framework (all its cases)",
+        help="seconds the step gets for the whole run in each framework, all its cases "
+        "(default: 120)",
     )
     verify.add_argument(
         "--precision",
@@ -198,12 +272,13 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=("float64", "float32", "bfloat16"),
         default="float64",
-        help="dtype of the model / params handed to the step",
+        help="dtype of the model / params handed to the step (default: float64)",
     )
     verify.add_argument(
         "--model",
         help="MODULE:FACTORY of your own model (torch: a fresh nn.Module, the same weights each "
-        "call; JAX: (apply_fn, params)): the step gets it, the reference is its own gradient",
+        "call; JAX: (apply_fn, params)): the step gets it, the reference is its own gradient "
+        "(default: the fixtures' bilinear model)",
     )
     verify.add_argument(
         "--forward",
@@ -213,13 +288,26 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
     verify.add_argument("--json", type=output_file, help="write the report as JSON here")
     _add_placement(verify)
     _add_multihost(verify)
+    _add_renamed(verify, "verify")
 
 
 def _add_multihost(command: argparse.ArgumentParser) -> None:
     """A multi-host JAX start (crosscheck.launch.external; JAX_COORDINATOR_ADDRESS & co. too)."""
-    command.add_argument("--coordinator", help="multi-host JAX: the coordinator's HOST:PORT")
-    command.add_argument("--num-processes", type=int, help="multi-host JAX: how many processes")
-    command.add_argument("--process-id", type=int, help="multi-host JAX: this process's id")
+    command.add_argument(
+        "--coordinator",
+        help="multi-host JAX: the coordinator's HOST:PORT (default: JAX_COORDINATOR_ADDRESS, "
+        "else a single host)",
+    )
+    command.add_argument(
+        "--num-processes",
+        type=int,
+        help="multi-host JAX: how many processes (default: JAX_NUM_PROCESSES)",
+    )
+    command.add_argument(
+        "--process-id",
+        type=int,
+        help="multi-host JAX: this process's id (default: JAX_PROCESS_ID)",
+    )
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -235,7 +323,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cuda: one torch rank per GPU over NCCL, JAX on every device it finds",
+        help="cuda: one torch rank per GPU over NCCL, JAX on every device it finds (default: cpu)",
     )
     bench.add_argument("--ranks", type=int, default=2, help="torch ranks (default: 2)")
     bench.add_argument("--platform", help="JAX's jax_platforms (default: cpu with --device cpu)")
@@ -248,18 +336,19 @@ def _add_conformance(commands: argparse._SubParsersAction) -> None:
         "each and hold their weighting to the versioned expectations",
     )
     conformance.add_argument(
-        "--framework",
+        "--frameworks",
         type=_name_list,
         help="only these frameworks (distribution names, comma-separated; default: every "
         "installed one)",
     )
     conformance.add_argument(
-        "--setting", type=_name_list, help="only these settings (comma-separated; default: all)"
+        "--settings", type=_name_list, help="only these settings (comma-separated; default: all)"
     )
     conformance.add_argument("--json", type=output_file, help="write every row as JSON here")
     conformance.add_argument(
         "--markdown", type=output_file, help="write the table as docs/conformance.md publishes it"
     )
+    _add_renamed(conformance, "conformance")
 
 
 def build_parser() -> argparse.ArgumentParser:

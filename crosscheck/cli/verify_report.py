@@ -138,7 +138,7 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
                 scheme=args.scheme,
                 fixtures=args.fixtures,
                 world_sizes=args.world_sizes,
-                accum_steps=args.accum,
+                accum_steps=args.accum_steps,
                 timeout_s=args.timeout,
                 precision=precision,
                 dtype=args.dtype,

@@ -34,7 +34,7 @@ class Setting:
 
     #: The distribution whose version names the row (``pip show`` name).
     framework: str
-    #: Short, unique within the framework: ``--setting`` takes it.
+    #: Short, unique within the framework: ``--settings`` takes it.
     setting: str
     #: The setting in the framework's own words.
     title: str
@@ -81,7 +81,7 @@ class Setting:
             args += ["--forward", self.forward]
         args += ["--scheme", self.scheme, "--fixtures", ",".join(self.fixtures)]
         args += ["--world-sizes", ",".join(map(str, self.world_sizes))]
-        args += ["--accum", ",".join(map(str, self.accum))]
+        args += ["--accum-steps", ",".join(map(str, self.accum))]
         if self.precision != "auto":
             args += ["--precision", self.precision]
         args += ["--timeout", f"{TIMEOUT_S:g}"]
@@ -627,7 +627,7 @@ SETTINGS: tuple[Setting, ...] = (
 
 
 def find_settings(frameworks: list[str] | None, settings: list[str] | None) -> list[Setting]:
-    """The settings named by ``--framework`` and ``--setting`` (all when neither is given);
+    """The settings named by ``--frameworks`` and ``--settings`` (all when neither is given);
     ValueError naming an unknown one and the known ones."""
     known_frameworks = sorted({s.framework for s in SETTINGS})
     for name in frameworks or []:

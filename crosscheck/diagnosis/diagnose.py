@@ -28,12 +28,13 @@ The scale is the least-squares factor of G on the intended gradient,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.layout import LaidOutBatch
 from crosscheck.contract.oracle import Params, token_jacobian
 from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.contract.spec import SchemeSpec
@@ -176,53 +177,26 @@ def diagnose(
     the analytic model's Jacobian, and `intended_grads` is the intended gradient that model
     gives (default: the basis's c B, equal to it up to rounding). Hypotheses whose weights vary
     inside a group cannot be predicted from a basis: they are left out, with a note.
+
+    The steps: the intended weights and the groups of the fixture; the model's gradient of any
+    weighting (`_gradient_model`); the fit of G on the groups; every candidate's prediction
+    (`_candidates`); the judgement at the precision the noise allows; the names.
     """
     scheme = resolve_scheme(intended)
     if not scheme.intended:
         raise ValueError(f"intended must be an intended scheme, got accidental {scheme.name!r}")
-    if precision == "auto":
-        allowed = auto_levels(dtype)
-    elif precision in PRECISIONS:
-        auto_levels(dtype)  # validates dtype
-        allowed = (precision,)
-    else:
-        raise ValueError(f"precision must be auto or one of {', '.join(PRECISIONS)}")
+    allowed = _allowed_levels(precision, dtype)
     grads = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
     batch = fixture.layout(world_size, accum_steps)
     weights = batch.to_global(scheme.effective_weights(batch))
-    valid = fixture.valid
     units = token_units(fixture, scheme)
     group_of, keys = token_groups(fixture, world_size, accum_steps, units)
-    if basis is None:  # the analytic model: the oracle's per-token Jacobian
-        params = fixture.params() if params is None else params
-        shapes = {k: np.shape(params[k]) for k in sorted(params)}
-        jacobian = token_jacobian(params, fixture.inputs, fixture.targets)
-        basis_matrix, mass = jacobian_group_basis(
-            jacobian, group_of[valid], units[valid], len(keys)
-        )
-
-        def flat_grad_of(token_weights: np.ndarray) -> np.ndarray:
-            return token_weights[valid] @ jacobian
-
-    else:  # any model: its own group basis (crosscheck.diagnosis.group_basis)
-        basis.check(fixture, keys, grads)
-        shapes, basis_matrix = dict(basis.shapes), basis.matrix
-        mass = group_mass(group_of, units, len(keys))
-        flat_grad_of = basis_grad_of(basis, group_of, units)
-
-    def grad_of(token_weights: np.ndarray) -> Params:
-        flat, out, start = flat_grad_of(token_weights), {}, 0
-        for key, shape in shapes.items():
-            size = int(np.prod(shape))
-            out[key] = flat[start : start + size].reshape(shape)
-            start += size
-        return out
+    model = _gradient_model(fixture, grads, params, basis, group_of, units, keys)
 
     if intended_grads is None:
-        intended_grads = grad_of(weights)
+        intended_grads = model.grad_of(weights)
     intended_grads = {k: np.asarray(v, dtype=np.float64) for k, v in intended_grads.items()}
-    live = dict if basis is None else basis.live
-    intended_error = tree_rel_err(live(grads), live(intended_grads)).max_rel_err
+    intended_error = tree_rel_err(model.live(grads), model.live(intended_grads)).max_rel_err
     g, gi = _flat(grads), _flat(intended_grads)
     unusable = unusable_entries(grads)
     if unusable:
@@ -233,9 +207,9 @@ def diagnose(
     scale = float(g @ gi / (gi @ gi)) if gi @ gi > 0 and np.isfinite(g).all() else math.nan
 
     fit = fit_group_basis(
-        basis_matrix,
+        model.basis_matrix,
         g,
-        mass,
+        model.mass,
         np.array([k[0] for k in keys], dtype=np.int64),
         np.array([k[1] for k in keys], dtype=np.int64),
     )
@@ -244,27 +218,21 @@ def diagnose(
     if intended_c is None:  # a_t / u_t is constant per group by construction of the groups
         raise AssertionError(f"{scheme.name}: intended weights vary inside a group")
 
-    candidates = [Candidate(scheme.name, "intended", weights, scheme.global_denominator(batch))]
-    candidates += local_mean_candidates(scheme, batch)
-    candidates += scale_candidates(scheme, fixture, batch, weights, tuple(previous_denominators))
-    if max_grad_norm is not None:
-        candidates += clip_candidates(grad_of, batch, weights, max_grad_norm)
-    candidates += float32_count_candidate(scheme, batch, weights, scale)
-    candidates += scheme_candidates(scheme, batch)
-    candidates += family_candidates(g, weights, batch, flat_grad_of)
-
+    candidates = _candidates(
+        scheme, fixture, batch, weights, model, g, scale, previous_denominators, max_grad_norm
+    )
     per_group = [per_group_weights(c.weights, group_of, units) for c in candidates]
     # A basis predicts only the weightings that are constant per group.
     candidates, per_group, basis_note = predictable(candidates, per_group, basis)
     errors_by_candidate = [
-        tree_rel_err(live(grads), live(grad_of(c.weights))).max_rel_err for c in candidates
+        tree_rel_err(model.live(grads), model.live(model.grad_of(c.weights))).max_rel_err
+        for c in candidates
     ]
-    level = noise_level(fit, g, candidates, per_group, flat_grad_of, allowed)
+    level = noise_level(fit, g, candidates, per_group, model.flat_grad_of, allowed)
     judged_at, judged, log_note = judge_levels(
         fit, candidates, per_group, errors_by_candidate, level, allowed, labels, logged_denominator
     )
 
-    intended_check = check_weights(fit, intended_c, judged_at, labels)
     fitting = [j.candidate for j in judged if j.fits]
     explanations = minimal((c.name for c in fitting if not c.degenerate), scheme.name)
     best = name_of(explanations)
@@ -276,30 +244,18 @@ def diagnose(
     errors: dict[str, float] = {}
     for j in judged:
         errors[j.candidate.name] = min(j.error, errors.get(j.candidate.name, math.inf))
+    notes = {c.name: c.note for c in fitting if c.note}
+    for key, note in (
+        ("logged denominator", log_note),
+        (ZERO_COUNT_NAN, zero_note),
+        ("group basis", basis_note),
+    ):
+        if note:
+            notes[key] = note
 
-    carries = group_of >= 0
     with np.errstate(divide="ignore", invalid="ignore"):
         relative = np.where(intended_c != 0, fit.weights / intended_c, np.nan)
     relative = relative[intended_c != 0] if relative.size else relative
-    groups = tuple(
-        GroupWeight(
-            rank=rank,
-            microbatch=microbatch,
-            row=row,
-            segment=segment,
-            tokens=int(np.count_nonzero(group_of == index)),
-            weight=float(fit.weights[index]),
-            intended=float(intended_c[index]),
-        )
-        for index, (rank, microbatch, row, segment) in enumerate(keys)
-    )
-    notes = {c.name: c.note for c in fitting if c.note}
-    if log_note:
-        notes["logged denominator"] = log_note
-    if zero_note:
-        notes[ZERO_COUNT_NAN] = zero_note
-    if basis_note:
-        notes["group basis"] = basis_note
     diagnosis = Diagnosis(
         fixture=fixture.name,
         world_size=world_size,
@@ -315,21 +271,131 @@ def diagnose(
         fits=tuple(dict.fromkeys(c.name for c in fitting)),
         scale=scale,
         weight_ratio=_ratio(relative),
-        intended_weight_ratio=_ratio(weights[carries]),
+        intended_weight_ratio=_ratio(weights[group_of >= 0]),
         residual=fit.residual,
         condition_number=fit.condition,
         well_posed=bool(fit.condition <= CONDITION_LIMIT),
         # The coarsest level the verdict could have moved to is what it guarantees: under
         # "auto" a float64 step's 2e-12 skew would agree at float32-level.
         detectable_skew=detectable_skew(fit, intended_c, allowed[-1], labels),
-        worst_unit=_worst_unit_text(intended_check),
+        skew_level=allowed[-1],
+        strict_skew=detectable_skew(fit, intended_c, "float64", labels),
+        worst_unit=_worst_unit_text(check_weights(fit, intended_c, judged_at, labels)),
         explanation="",
-        groups=groups,
+        groups=_group_weights(keys, group_of, fit.weights, intended_c),
         candidate_errors=errors,
         notes=notes,
         unusable=unusable,
     )
     return with_explanation(diagnosis)
+
+
+def _allowed_levels(precision: str, dtype: str) -> tuple[str, ...]:
+    """The precision levels the verdict may judge at, finest first."""
+    if precision == "auto":
+        return auto_levels(dtype)
+    if precision in PRECISIONS:
+        auto_levels(dtype)  # validates dtype
+        return (precision,)
+    raise ValueError(f"precision must be auto or one of {', '.join(PRECISIONS)}")
+
+
+@dataclass(frozen=True)
+class _GradientModel:
+    """The gradient of any token weighting, as the diagnosed model gives it: the group basis
+    B [K, P] with each group's mass, the flat gradient of [N, T] weights, the same as a
+    dict of named leaves, and which entries a comparison reads (`live`)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    basis_matrix: np.ndarray
+    mass: np.ndarray
+    flat_grad_of: Callable[[np.ndarray], np.ndarray]
+    live: Callable[[Params], Params]
+
+    def grad_of(self, token_weights: np.ndarray) -> Params:
+        flat, out, start = self.flat_grad_of(token_weights), {}, 0
+        for key, shape in self.shapes.items():
+            size = int(np.prod(shape))
+            out[key] = flat[start : start + size].reshape(shape)
+            start += size
+        return out
+
+
+def _gradient_model(
+    fixture: Fixture,
+    grads: Params,
+    params: Params | None,
+    basis: GroupBasis | None,
+    group_of: np.ndarray,
+    units: np.ndarray,
+    keys: list[tuple[int, int, int, int]],
+) -> _GradientModel:
+    """The analytic bilinear model's per-token Jacobian at `params`, or a model's own `basis`
+    (checked against the fixture, its groups and the gradient's leaves)."""
+    if basis is not None:  # any model: its own group basis (crosscheck.diagnosis.group_basis)
+        basis.check(fixture, keys, grads)
+        return _GradientModel(
+            dict(basis.shapes),
+            basis.matrix,
+            group_mass(group_of, units, len(keys)),
+            basis_grad_of(basis, group_of, units),
+            basis.live,
+        )
+    params = fixture.params() if params is None else params
+    valid = fixture.valid
+    jacobian = token_jacobian(params, fixture.inputs, fixture.targets)
+    matrix, mass = jacobian_group_basis(jacobian, group_of[valid], units[valid], len(keys))
+    return _GradientModel(
+        {k: np.shape(params[k]) for k in sorted(params)},
+        matrix,
+        mass,
+        lambda token_weights: token_weights[valid] @ jacobian,
+        dict,
+    )
+
+
+def _candidates(
+    scheme: SchemeSpec,
+    fixture: Fixture,
+    batch: LaidOutBatch,
+    weights: np.ndarray,
+    model: _GradientModel,
+    g: np.ndarray,
+    scale: float,
+    previous_denominators: Sequence[float],
+    max_grad_norm: float | None,
+) -> list[Candidate]:
+    """The intended scheme first, then every pattern, scheme and family that may explain G."""
+    candidates = [Candidate(scheme.name, "intended", weights, scheme.global_denominator(batch))]
+    candidates += local_mean_candidates(scheme, batch)
+    candidates += scale_candidates(scheme, fixture, batch, weights, tuple(previous_denominators))
+    if max_grad_norm is not None:
+        candidates += clip_candidates(model.grad_of, batch, weights, max_grad_norm)
+    candidates += float32_count_candidate(scheme, batch, weights, scale)
+    candidates += scheme_candidates(scheme, batch)
+    candidates += family_candidates(g, weights, batch, model.flat_grad_of)
+    return candidates
+
+
+def _group_weights(
+    keys: list[tuple[int, int, int, int]],
+    group_of: np.ndarray,
+    found: np.ndarray,
+    intended: np.ndarray,
+) -> tuple[GroupWeight, ...]:
+    """Each (row, segment) group's recovered weight beside the intended one."""
+    return tuple(
+        GroupWeight(
+            rank=rank,
+            microbatch=microbatch,
+            row=row,
+            segment=segment,
+            tokens=int(np.count_nonzero(group_of == index)),
+            weight=float(found[index]),
+            intended=float(intended[index]),
+        )
+        for index, (rank, microbatch, row, segment) in enumerate(keys)
+    )
 
 
 def _worst_unit_text(check: WeightCheck) -> str:

@@ -67,8 +67,8 @@ def _sensitivity_text(d: Diagnosis) -> str:
         return ""
     per, minus_one = d.detectable_skew
     return (
-        f" Given this step's noise, scaling one {per}'s weights by 1 + {minus_one:.1e} or more "
-        "would have been flagged."
+        f" Given this step's noise, at {LEVEL_NAMES[d.skew_level]} scaling one {per}'s weights "
+        f"by 1 + {minus_one:.1e} or more is flagged for sure."
     )
 
 

@@ -65,7 +65,8 @@ class Diagnosis:
     condition_number: float
     well_posed: bool
     #: ("rank" or "microbatch", s - 1): the smallest skew of one rank's (microbatch's)
-    #: weights this case would flag, given the measured noise; None at R = M = 1.
+    #: weights this case is sure to flag at `skew_level`, given the measured noise; None at
+    #: R = M = 1.
     detectable_skew: tuple[str, float] | None
     #: The worst unit of the weight test against the intended scheme, in words.
     worst_unit: str
@@ -80,6 +81,11 @@ class Diagnosis:
     #: Where the gradient holds NaN, inf or a value too large to fit (`unusable_entries`),
     #: in words; "" when it holds none.
     unusable: str = ""
+    #: The level `detectable_skew` is for: the coarsest the verdict could have settled at
+    #: (float32-level under auto for a float32 or float64 step), what it guarantees.
+    skew_level: str = "float64"
+    #: `detectable_skew` at float64 (what ``--strict`` is sure to flag).
+    strict_skew: tuple[str, float] | None = None
 
     @property
     def intended(self) -> str:
@@ -112,6 +118,7 @@ class Diagnosis:
             "condition_number": finite_or_none(self.condition_number),
             "well_posed": self.well_posed,
             "detectable_skew": None if skew is None else {"per": skew[0], "minus_one": skew[1]},
+            "skew_level": self.skew_level,
             "worst_unit": self.worst_unit,
             "explanation": self.explanation,
             "fix": self.fix,

@@ -108,7 +108,7 @@ class Plan:
     #: (8, 64). What a resume can get wrong (partial window sums, optimizer state, the global
     #: denominator across a world-size change) shows on any of them, and one shape means one
     #: set of compiled JAX programs; ragged's 144 rows would add a third of the resume time
-    #: and no new way to fail. `crosscheck run --fixture` sets both lists.
+    #: and no new way to fail. `crosscheck run --fixtures` sets both lists.
     resume_fixtures: list[str] = field(
         default_factory=lambda: ["packed", "empty-rank", "multimodal", "soft-weights"]
     )

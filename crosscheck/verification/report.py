@@ -145,31 +145,86 @@ class VerifyReport:
             f"{level}"
         )
 
+    def headline(self) -> str:
+        """One sentence per outcome, never a dash or "inf" for a value there is not: verified;
+        does NOT match (with the cases that could not run, if any); could not run (how many of
+        how many, and what the cases that ran showed)."""
+        who = f"{self.step} ({self.framework})"
+        n = len(self.cases)
+        ran = [case for case in self.cases if case.diagnosis is not None]
+        failed = n - len(ran)
+        level = self.level
+        errors = [case.max_rel_err for case in ran]
+        finite = [e for e in errors if math.isfinite(e)]
+        measured = []
+        if finite:
+            measured.append(f"worst relative error {max(finite):.2e}")
+        if len(finite) < len(errors):
+            count = len(errors) - len(finite)
+            measured.append(f"a non-finite gradient in {count} case{'s' * (count > 1)}")
+        if level is not None:
+            measured.append(f"tolerance {tolerance(level):.0e}")
+        at = f" at {LEVEL_NAMES[level]}" if level is not None else ""
+        numbers = f" ({', '.join(measured)})" if measured else ""
+        if not ran:
+            return f"{who} could not run: none of its {n} fixture/layout cases ran (below)."
+        if self.ok:
+            return f"{who} matches {self.scheme.name} on {n} fixture/layout cases{at}{numbers}."
+        if self.best_match == "error":
+            return (
+                f"{who} could not run {failed} of its {n} fixture/layout cases (below); the "
+                f"{len(ran)} that ran match {self.scheme.name}{at}{numbers}."
+            )
+        if level is None:
+            measured.append("no precision level fits the gradients' noise")
+            numbers = f" ({', '.join(measured)})"
+        unran = f"; {failed} could not run (below)" if failed else ""
+        return (
+            f"{who} does NOT match {self.scheme.name} on {n} fixture/layout cases{at}{numbers}"
+            f"{unran}."
+        )
+
+    def sensitivity(self) -> str:
+        """The smallest skew of one rank's (microbatch's) weights the run is sure to flag, at
+        the level it states: under ``--precision auto`` a verdict may settle as coarse as the
+        coarsest level the step's dtype allows, and that is the level the guarantee is for;
+        ``--strict`` (float64) flags from the smaller skew given beside it."""
+        skew = self.detectable_skew
+        if skew is None:
+            return ""
+        per, minus_one = skew
+        guaranteed = max(
+            (d.skew_level for d in self.diagnosed if d.detectable_skew is not None),
+            key=PRECISIONS.index,
+        )
+        text = (
+            f"At {LEVEL_NAMES[guaranteed]} the run flags one {per}'s weights scaled by "
+            f"1 + {minus_one:.1e} or more"
+        )
+        strict = [d.strict_skew[1] for d in self.diagnosed if d.strict_skew is not None]
+        if guaranteed != "float64" and strict:
+            judged = LEVEL_NAMES[self.level] if self.level else "no level"
+            text = (
+                f"Judged at {judged}; under --precision auto a verdict may settle as coarse as "
+                f"{LEVEL_NAMES[guaranteed]}, where the run flags one {per}'s weights scaled by "
+                f"1 + {minus_one:.1e} or more; --strict flags from 1 + {max(strict):.1e}"
+            )
+        return text + "."
+
     def message(self) -> str:
         """The verdict, what it rests on, the name and the fix, and any step errors."""
-        level = self.level
-        tol = f"tolerance {tolerance(level):.0e}" if level else "no precision"
-        verdict = "matches" if self.ok else "does NOT match"
-        lines = [
-            f"{self.step} ({self.framework}) {verdict} {self.scheme.name} on "
-            f"{len(self.cases)} fixture/layout cases at {LEVEL_NAMES.get(level or '', '-')} "
-            f"(worst relative error {self.max_rel_err:.2e}, {tol})."
-        ]
-        skew = self.detectable_skew
+        lines = [self.headline()]
         if self.ok:
             lines.append(f"Shown: {self.shown()}.")
-            if skew is not None:
-                lines.append(
-                    f"The run would have flagged one {skew[0]}'s weights scaled by "
-                    f"1 + {skew[1]:.1e} or more."
-                )
+            sensitivity = self.sensitivity()
+            if sensitivity:
+                lines.append(sensitivity)
         best = self.best_match
         d = self.diagnosis
-        errored = [case for case in self.cases if case.error]
         if best == "error" and self.diagnosed:
             lines.append(
-                f"Every case that ran matches; {len(errored)} could not be run or read (below): "
-                "the run shows nothing wrong with the weighting, and nothing for those cases."
+                "The run shows nothing wrong with the weighting, and nothing for the cases that "
+                "could not run."
             )
         if not self.ok and best != "error":
             names = self.explanations

@@ -13,6 +13,7 @@ import contextlib
 import difflib
 import importlib.machinery
 import importlib.util
+import inspect
 import json
 import os
 import signal
@@ -121,14 +122,67 @@ def _spec_without_importing(module: str, cwd: str) -> ModuleSpec | None:
     return spec
 
 
-def _defined_at_top_level(source: str, name: str) -> bool:
-    """Whether the module file at `source` defines function or class `name` at top level."""
-    try:
-        tree = ast.parse(Path(source).read_bytes(), filename=source)
-    except (OSError, SyntaxError, ValueError):
-        return False
+def _top_level(tree: ast.Module, name: str) -> ast.stmt | None:
+    """The function or class `name` the module defines at top level, if any."""
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    return any(isinstance(node, kinds) and node.name == name for node in tree.body)
+    return next((n for n in tree.body if isinstance(n, kinds) and n.name == name), None)
+
+
+#: The call each framework's harness makes (crosscheck.verification.protocol), as positional
+#: placeholders: torch ``step(model, microbatches)``, JAX ``step(params, apply_fn, batch,
+#: mesh)``; both add ``optimizer=`` for a step that declares it.
+PROTOCOL_ARGUMENTS = {
+    "torch": ("model", "microbatches"),
+    "jax": ("params", "apply_fn", "batch", "mesh"),
+}
+
+
+def _binds(signature: inspect.Signature, framework: str) -> str:
+    """'' when the framework's harness can call a function of `signature`, else why not."""
+    optimizer = signature.parameters.get("optimizer")
+    keyword = optimizer is not None and optimizer.kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.VAR_KEYWORD,
+    )
+    arguments = PROTOCOL_ARGUMENTS[framework]
+    try:
+        signature.bind(*arguments, **({"optimizer": None} if keyword else {}))
+    except TypeError as error:
+        return str(error)
+    return ""
+
+
+def _signature_problem(function: ast.stmt, framework: str) -> str:
+    """Why the harness of `framework` cannot call the plain function `function` (read from its
+    source, never run), or ''. A decorated function, or a class, may take anything: ''."""
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) or function.decorator_list:
+        return ""
+    # The same parameters with no annotations, defaults or body: nothing of the user's runs.
+    arguments = ast.arguments(
+        posonlyargs=[ast.arg(a.arg) for a in function.args.posonlyargs],
+        args=[ast.arg(a.arg) for a in function.args.args],
+        vararg=function.args.vararg and ast.arg(function.args.vararg.arg),
+        kwonlyargs=[ast.arg(a.arg) for a in function.args.kwonlyargs],
+        kw_defaults=[None if d is None else ast.Constant(None) for d in function.args.kw_defaults],
+        kwarg=function.args.kwarg and ast.arg(function.args.kwarg.arg),
+        defaults=[ast.Constant(None) for _ in function.args.defaults],
+    )
+    stub = ast.FunctionDef(function.name, arguments, [ast.Pass()], [], None, type_params=[])
+    namespace: dict[str, Any] = {}
+    exec(compile(ast.fix_missing_locations(ast.Module([stub], [])), "<step>", "exec"), namespace)
+    signature = inspect.signature(namespace[function.name])
+    why = _binds(signature, framework)
+    if not why:
+        return ""
+    expected = ", ".join(PROTOCOL_ARGUMENTS[framework])
+    text = f"{function.name}{signature} cannot take {framework}'s ({expected}[, optimizer]): {why}"
+    other = next(f for f in PROTOCOL_ARGUMENTS if f != framework)
+    if not _binds(signature, other):
+        text += (
+            f"; it takes {other}'s ({', '.join(PROTOCOL_ARGUMENTS[other])}): --framework {other}?"
+        )
+    return text
 
 
 def _import_check(
@@ -200,8 +254,23 @@ def check_step(
             "the Python path"
         )
     origin = spec.origin if spec.name == module and spec.has_location else None
-    if origin and origin.endswith(".py") and _defined_at_top_level(origin, function):
-        return
+    if origin and origin.endswith(".py"):
+        # A plain source file is read, not run: a syntax error, and a function whose
+        # parameters cannot take the framework's call, are found here, before any process.
+        try:
+            tree = ast.parse(Path(origin).read_bytes(), filename=origin)
+        except SyntaxError as error:
+            raise StepSetupError(
+                f"{option} {step}: {origin}:{error.lineno}: SyntaxError: {error.msg}"
+            ) from None
+        except (OSError, ValueError):
+            tree = None
+        found = None if tree is None else _top_level(tree, function)
+        if found is not None:
+            problem = _signature_problem(found, framework) if option == "--step" else ""
+            if problem:
+                raise StepSetupError(f"{option} {step}: {problem}")
+            return
     found = _import_check(module, function, cwd, framework, timeout_s)
     kind = None if found is None else found.get("kind")
     detail = None if found is None else found.get("detail")

@@ -104,10 +104,20 @@ def ensure_running(method: str) -> None:
     global _tracker_pid, _atexit_registered
     with _servers_lock:
         before = mp_resource_tracker._resource_tracker._pid
+        # The tracker first: its ensure_running blocks SIGINT around its own spawn and then
+        # unblocks it, whatever the caller's mask was.
+        mp_resource_tracker.ensure_running()
         if method == FORKSERVER:
-            _SERVER.ensure_running()
-        else:
-            mp_resource_tracker.ensure_running()
+            # SIGINT blocked while the fork server is spawned: a blocked signal stays blocked
+            # across fork and exec, so a Ctrl-C on the terminal cannot interrupt its seconds
+            # of importing torch (multiprocessing's server ignores SIGINT only once its
+            # imports are done; before, it printed a KeyboardInterrupt traceback). The
+            # caller's own Ctrl-C is not lost: it arrives once the mask is restored.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                _SERVER.ensure_running()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         after = mp_resource_tracker._resource_tracker._pid
         if after is not None and after != before:
             _tracker_pid = after

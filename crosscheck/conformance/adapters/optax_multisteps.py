@@ -9,7 +9,8 @@ Pinned: optax 0.2.8, flax 0.12.8, jax / jaxlib 0.10.2. Run a row as::
         --step crosscheck.conformance.adapters.optax_multisteps:step_jit_mean \
         --model crosscheck.conformance.adapters.optax_multisteps:model \
         --forward crosscheck.conformance.adapters.optax_multisteps:logits \
-        --scheme token_mean --fixtures packed,ragged --world-sizes 1,2 --accum 1,2 --timeout 300
+        --scheme token_mean --fixtures packed,ragged --world-sizes 1,2 --accum-steps 1,2 \
+        --timeout 300
 
 **What optax documents.** ``optax.MultiSteps`` (``optax/_src/wrappers.py:34`` re-exports
 ``optax/transforms/_accumulation.py:243``), class docstring (``_accumulation.py:246-255``):
