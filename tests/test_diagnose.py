@@ -10,6 +10,7 @@ from crosscheck.contract.oracle import loss_and_grad, weighted_grad
 from crosscheck.contract.schemes import INTENDED_SCHEMES, resolve_scheme
 from crosscheck.diagnosis import candidates
 from crosscheck.diagnosis.diagnose import AMBIGUOUS, CONDITION_LIMIT, UNKNOWN, diagnose
+from crosscheck.diagnosis.explain import guide
 from crosscheck.diagnosis.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
 from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL
@@ -160,7 +161,7 @@ def test_nan_on_a_layout_with_an_empty_microbatch_is_zero_count_nan():
     d = diagnose(fixture, 4, 2, grads, "token_mean")
     assert d.detected and d.best_match == "zero-count-nan" and d.matches == ("zero-count-nan",)
     assert "rank 2 microbatch 1 has no token that token_mean counts" in d.explanation
-    assert d.fix == PATTERNS["zero-count-nan"].fix
+    assert d.fix == f"{PATTERNS['zero-count-nan'].fix} ({guide(['zero-count-nan'], None)})"
     # inf is as non-finite as NaN; a whole empty rank is named as the rank.
     empty = builtin_fixture("empty-rank")
     grads = _nan_at(loss_and_grad(empty, "token_mean", 2, 2).grads, np.inf)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from crosscheck.diagnosis.patterns import PATTERNS
+from crosscheck.diagnosis.explain import fix_text, guide
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.verification.verifier import jobs_for, verify
 
@@ -78,7 +78,8 @@ def test_verify_names_the_step_at_float32_level(framework, step):
         assert "matches token_mean" in message and "float32-level" in message
     else:
         assert f"Explains every case: {named}." in message
-        assert f"Fix: {PATTERNS[named].fix}" in message
+        # Said in the step's framework's terms, ending at that framework's docs.
+        assert f"Fix: {fix_text(named, framework)} ({guide([named], framework)})" in message
     if named == "missing-world-size":
         # It logged the global count D (double-reduce-count, the same gradient, logs R D).
         for case in report.cases:

@@ -7,6 +7,8 @@ are judged in tests/test_third_party.py and tests/test_verify_precision.py.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,9 @@ from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.oracle import loss_and_grad, weighted_grad
 from crosscheck.contract.schemes import Constant, get_scheme
 from crosscheck.diagnosis.diagnose import AMBIGUOUS, diagnose
+from crosscheck.diagnosis.explain import FAMILY_FIXES, fix_text, guide
 from crosscheck.diagnosis.naming import headline, minimal
+from crosscheck.diagnosis.patterns import PATTERNS
 from crosscheck.diagnosis.verdict import Z_SCORE, auto_levels, level_of, tolerance
 from crosscheck.fixtures.builtin import builtin_fixture
 
@@ -203,7 +207,9 @@ def test_bugs_are_named_at_their_precision(dtype):
         grads = _rounded(_grad(fixture, weights), dtype)
         d = diagnose(fixture, r, m, grads, "token_mean", dtype=dtype, logged_denominator=logged)
         assert d.detected and d.best_match == name, (name, d.matches, d.explanation)
-        assert d.precision == dtype and d.fix.endswith("(README, 'Using it in your own loop')")
+        # No framework given: both frameworks' sections that show the right loop.
+        assert d.precision == dtype and d.fix.endswith(f"({guide([name], None)})")
+        assert "docs/torch.md#" in d.fix and "docs/jax.md#" in d.fix
     divided = _grad(fixture, _intended(fixture, 2, 4) / 4)
     d = diagnose(fixture, 2, 4, _rounded(divided, dtype), "token_mean", dtype=dtype)
     assert d.best_match == "double-accum-divide", d.explanation
@@ -340,3 +346,39 @@ def test_an_explicit_constant_normalizer_is_judged_with_that_c():
 def test_z_score_is_the_documented_one():
     # The weight test's z: its value is part of the documented minimum detectable skew.
     assert Z_SCORE == 6.0
+
+
+def _anchors(document: Path) -> set[str]:
+    """GitHub's heading slugs of a markdown file (as tests/test_docs_links.py reads them)."""
+    from test_docs_links import anchors
+
+    return set(anchors(document))
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_every_fix_points_to_an_existing_section_of_its_frameworks_docs(framework):
+    """Each pattern's and family's fix, in each framework, ends at a doc section that exists and
+    is that framework's; JAX's double-world-size names the shard_map cause, not a trainer."""
+    root = Path(__file__).resolve().parents[1]
+    for name in [*PATTERNS, *FAMILY_FIXES]:
+        (section,) = guide([name], framework).split("; ")
+        path, _, anchor = section.partition("#")
+        assert path == f"docs/{framework}.md", (name, section)
+        assert anchor in _anchors(root / path), (name, section)
+        assert fix_text(name, framework), name
+    jax_double = fix_text("double-world-size", "jax")
+    assert "shard_map" in jax_double and "trainer setting" not in jax_double
+
+
+def test_a_jax_diagnosis_gives_the_jax_fix_and_the_jax_docs():
+    fixture = builtin_fixture("packed")
+    R, M = 2, 1
+    weights = _intended(fixture, R, M) * R  # the update R times too large
+    d = diagnose(fixture, R, M, _grad(fixture, weights), "token_mean", framework="jax")
+    assert d.best_match == "double-world-size", d.explanation
+    assert d.fix == (
+        f"{PATTERNS['double-world-size'].jax_fix} "
+        "(docs/jax.md#precount-in-your-own-data-parallel-step-the-reduction-factor-s)"
+    )
+    torch = diagnose(fixture, R, M, _grad(fixture, weights), "token_mean", framework="torch")
+    assert torch.fix.endswith("(docs/torch.md#why-s--r)") and "trainer setting" in torch.fix

@@ -142,6 +142,7 @@ def diagnose_run(run: BugRun, output: BugOutput) -> Diagnosis:
         # Every step ran NUM_WINDOWS identical windows; the diagnosed one is the last.
         previous_denominators=(D,) * (NUM_WINDOWS - 1),
         max_grad_norm=CLIP_PER_MICROBATCH_NORM,
+        framework=run.framework,
     )
 
 

@@ -160,6 +160,7 @@ def diagnose(
     params: Params | None = None,
     basis: GroupBasis | None = None,
     intended_grads: Params | None = None,
+    framework: str | None = None,
 ) -> Diagnosis:
     """Diagnose `grads`, produced at layout (world_size, accum_steps) of `fixture`.
 
@@ -177,6 +178,8 @@ def diagnose(
     the analytic model's Jacobian, and `intended_grads` is the intended gradient that model
     gives (default: the basis's c B, equal to it up to rounding). Hypotheses whose weights vary
     inside a group cannot be predicted from a basis: they are left out, with a note.
+    `framework` ("torch" or "jax") says the fix in that framework's terms and points to its
+    docs (default: both).
 
     The steps: the intended weights and the groups of the fixture; the model's gradient of any
     weighting (`_gradient_model`); the fit of G on the groups; every candidate's prediction
@@ -286,6 +289,7 @@ def diagnose(
         candidate_errors=errors,
         notes=notes,
         unusable=unusable,
+        framework=framework,
     )
     return with_explanation(diagnosis)
 

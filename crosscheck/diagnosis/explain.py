@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, kind_of, signature_of
 from crosscheck.diagnosis.patterns import PATTERNS
@@ -10,8 +11,41 @@ from crosscheck.diagnosis.result import Diagnosis
 from crosscheck.diagnosis.verdict import LEVEL_NAMES, PRECISIONS, auto_levels, level_of
 from crosscheck.diagnosis.zero_count import ZERO_COUNT_NAN
 
-#: Where the worked loops are, for every fix.
-GUIDE = "README, 'Using it in your own loop'"
+#: Where each framework's right loop is shown: the section every fix points to, unless
+#: `GUIDE_SECTIONS` names a closer one (tests/test_verdict.py checks that each exists).
+GUIDES: dict[str, str] = {
+    "torch": "docs/torch.md#the-loop-precount-four-changes-to-a-standard-ddp-loop",
+    "jax": "docs/jax.md#precount-in-your-own-data-parallel-step-the-reduction-factor-s",
+}
+#: (framework, name) -> the section that shows the fix of that pattern or family.
+GUIDE_SECTIONS: dict[tuple[str, str], str] = {
+    ("torch", "missing-world-size"): "docs/torch.md#why-s--r",
+    ("torch", "double-world-size"): "docs/torch.md#why-s--r",
+    ("torch", "scale"): "docs/torch.md#why-s--r",
+    ("torch", "local-group-count"): "docs/torch.md#schemes-as-data-contract-v2",
+    ("jax", "microbatch-mean"): "docs/jax.md#optax-users-token-weighted-accumulation",
+    ("jax", "microstep-mean"): "docs/jax.md#optax-users-token-weighted-accumulation",
+    ("jax", "clip-per-microbatch"): "docs/jax.md#optax-users-token-weighted-accumulation",
+    ("jax", "local-group-count"): "docs/jax.md#schemes-as-data-contract-v2",
+}
+
+
+def fix_text(name: str, framework: str | None) -> str:
+    """What to change for pattern or family `name`, in `framework`'s terms (torch's words
+    when the framework is not known and the two differ)."""
+    if name in PATTERNS:
+        pattern = PATTERNS[name]
+        return pattern.jax_fix if framework == "jax" and pattern.jax_fix else pattern.fix
+    return FAMILY_FIXES.get(name, f"the step computes {name}")
+
+
+def guide(names: Sequence[str], framework: str | None) -> str:
+    """The doc sections that show the right loop for `names`: `framework`'s, or both
+    frameworks' when it is not known."""
+    frameworks = [framework] if framework in GUIDES else list(GUIDES)
+    sections = [GUIDE_SECTIONS.get((f, n), GUIDES[f]) for f in frameworks for n in names]
+    return "; ".join(dict.fromkeys(sections))
+
 
 #: What to do when a family (no catalogued pattern) names the gradient.
 FAMILY_FIXES: dict[str, str] = {
@@ -108,7 +142,7 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
         return (
             f"The gradient holds {d.unusable}: verification fails. It is {ZERO_COUNT_NAN}: "
             f"{d.notes.get(ZERO_COUNT_NAN, '')}.",
-            PATTERNS[ZERO_COUNT_NAN].fix,
+            f"{fix_text(ZERO_COUNT_NAN, d.framework)} ({guide([ZERO_COUNT_NAN], d.framework)})",
         )
     if d.unusable:
         huge = "NaN or inf" not in d.unusable
@@ -170,7 +204,7 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
             f"{_capitalized(skew)}: each rank averaged its own tokens and the ranks were "
             f"averaged (rank-mean; {PATTERNS['rank-mean'].upstream})."
         )
-        fix = PATTERNS[best].fix
+        fix = fix_text(best, d.framework)
     elif best == "microbatch-mean":
         skew = _skew(
             d,
@@ -182,7 +216,7 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
             f"the microbatches were averaged (microbatch-mean; "
             f"{PATTERNS['microbatch-mean'].upstream})."
         )
-        fix = PATTERNS[best].fix
+        fix = fix_text(best, d.framework)
     elif best == "microstep-mean":
         skew = _skew(d, lambda g: g.microbatch, lambda m: f"microbatch {m}")
         text = (
@@ -190,7 +224,7 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
             "its token mean over all ranks and the microbatches were averaged "
             f"(microstep-mean; {PATTERNS[best].upstream})."
         )
-        fix = PATTERNS[best].fix
+        fix = fix_text(best, d.framework)
     elif best in PATTERNS:
         pattern = PATTERNS[best]
         text = (
@@ -200,21 +234,21 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
         )
         if d.notes.get(best):
             text += f" ({d.notes[best]}.)"
-        fix = pattern.fix
+        fix = fix_text(best, d.framework)
     elif best == "scale":
         text = (
             f"Every valid token is weighted as {d.intended} says, but the gradient is "
             f"{d.scale:.9g}x the intended one: a scale that no catalogued pattern predicts at "
             "this layout."
         )
-        fix = FAMILY_FIXES[best]
+        fix = fix_text(best, d.framework)
     elif best == "rank-skew":
         skew = _skew(d, lambda g: g.rank, lambda r: f"rank {r}")
         text = (
             f"{_capitalized(skew)}: one factor per rank ({d.notes.get(best, '')}), which no "
             "catalogued pattern predicts."
         )
-        fix = FAMILY_FIXES[best]
+        fix = fix_text(best, d.framework)
     elif best == "microbatch-skew":
         skew = _skew(
             d, lambda g: (g.rank, g.microbatch), lambda k: f"rank {k[0]} microbatch {k[1]}"
@@ -223,7 +257,7 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
             f"{_capitalized(skew)}: one factor per microbatch ({d.notes.get(best, '')}), which "
             "no catalogued pattern predicts."
         )
-        fix = FAMILY_FIXES[best]
+        fix = fix_text(best, d.framework)
     elif best == UNKNOWN:
         closest = min(d.candidate_errors, key=d.candidate_errors.get)
         text = (
@@ -243,17 +277,15 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
             f"{LEVEL_NAMES[d.precision]}: they predict the same gradient at this layout, so "
             "no name is given." + _ambiguity_hint(d)
         )
-        fix = "; or ".join(
-            PATTERNS[n].fix if n in PATTERNS else FAMILY_FIXES.get(n, f"compute {n}")
-            for n in d.matches
-        )
+        fix = "; or ".join(fix_text(n, d.framework) for n in d.matches)
     else:
         text = (
             f"The gradient is {best}'s, not {d.intended}'s (weight ratio "
             f"{_ratio_text(d.weight_ratio)} against {d.intended}, scale {d.scale:.6g})."
         )
         fix = f"the step computes {best}: weight and count tokens as {d.intended} does"
-    return text + _identifiability_text(d), f"{fix} ({GUIDE})"
+    named = list(d.matches) if best == AMBIGUOUS else [best]
+    return text + _identifiability_text(d), f"{fix} ({guide(named, d.framework)})"
 
 
 def _identifiability_text(d: Diagnosis) -> str:

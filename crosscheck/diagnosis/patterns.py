@@ -46,8 +46,11 @@ class BugPattern:
     step: str
     #: What the step logs as its denominator for the diagnosed (second) window.
     logged_denominator: str
-    #: The fix, in the user's terms: what to count, where to reduce it, what to divide by.
+    #: The fix, in the user's terms: what to count, where to reduce it, what to divide by
+    #: (torch's words; `jax_fix` where JAX's cause or remedy differs).
     fix: str
+    #: The fix in a JAX step's terms, where it is not `fix`'s ("" when it is).
+    jax_fix: str = ""
     #: The shape of the error against the intended weights: "scale" (every token weighted
     #: alike, the gradient scaled), "rank" (a factor per rank), "microbatch" (a factor per
     #: rank and microbatch) or "other". A reweighting pattern is only named where a plain
@@ -78,6 +81,9 @@ rank-mean
     fix: count the valid tokens of the whole update on every rank first (one all-reduce of the
         local count, before any backward), divide each rank's summed loss by that global count
         and multiply by R for DDP's averaging (or reduce gradients with a sum)
+    jax fix: count the valid tokens of the whole update first (a psum of each device's count,
+        from the labels, before any gradient), divide each device's summed loss by that global
+        count and multiply by R when the gradient is reduced with pmean (or reduce it with psum)
 
 microbatch-mean
     intended: token_mean
@@ -91,6 +97,10 @@ microbatch-mean
     fix: do not average per-microbatch means: sum each microbatch's token losses
         (reduction="sum") and divide by the valid tokens of the whole accumulation window on all
         ranks, counted before the first backward (times R under DDP's averaging)
+    jax fix: do not average per-micro-step means: each micro-step's summed token loss over the
+        valid tokens of the whole accumulation window on all devices, counted before the first
+        micro-step (optax.MultiSteps averages the micro-steps' gradients: hand it summed losses
+        over the window's count, or accumulate token-weighted as jax_impl does)
 
 microstep-mean
     intended: token_mean
@@ -122,6 +132,8 @@ missing-world-size
     logged denominator: D
     fix: DDP and pmean average the gradient over the R ranks: multiply the loss by R after
         dividing by the global count, or reduce the gradient with a sum
+    jax fix: pmean averages the gradient over the R devices: multiply the loss by R after
+        dividing by the global count, or reduce the gradient with psum
 
 double-world-size
     intended: token_mean
@@ -132,6 +144,10 @@ double-world-size
     logged denominator: D
     fix: multiply by R exactly once: either your loss does it or the wrapper does (look for a
         trainer setting that rescales the loss by the world size)
+    jax fix: multiply by R exactly once: inside shard_map the gradient of replicated params is
+        already summed over the devices by autodiff, so a psum (or a loss scaled by R) on top
+        counts every rank R times; cast the params to rank-varying first
+        (jax.lax.pcast(params, ("data",), to="varying")) or drop the extra factor
 
 double-accum-scale
     intended: token_mean
@@ -239,6 +255,8 @@ float32-count
     logged denominator: the float32 denominator
     fix: accumulate and all-reduce the denominator as an int64 count or in float64 (or carry it
         exactly, torch_impl.exact_carry), never in float32 past 2^24
+    jax fix: carry the denominator as an integer count (int32, psum'd) or in float64
+        (jax_enable_x64), never as a float32 sum past 2^24
 
 local-group-count
     intended: group_token_mean

@@ -86,6 +86,9 @@ class Diagnosis:
     skew_level: str = "float64"
     #: `detectable_skew` at float64 (what ``--strict`` is sure to flag).
     strict_skew: tuple[str, float] | None = None
+    #: The framework of the step ("torch" or "jax"): the fix is said in its terms and points
+    #: to its docs; None: both frameworks' are given.
+    framework: str | None = None
 
     @property
     def intended(self) -> str:
@@ -119,6 +122,7 @@ class Diagnosis:
             "well_posed": self.well_posed,
             "detectable_skew": None if skew is None else {"per": skew[0], "minus_one": skew[1]},
             "skew_level": self.skew_level,
+            "framework": self.framework,
             "worst_unit": self.worst_unit,
             "explanation": self.explanation,
             "fix": self.fix,

@@ -16,9 +16,8 @@ from typing import Any
 
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.diagnose import Diagnosis
-from crosscheck.diagnosis.explain import FAMILY_FIXES, GUIDE
+from crosscheck.diagnosis.explain import fix_text, guide
 from crosscheck.diagnosis.naming import AMBIGUOUS, UNKNOWN, headline, name_of
-from crosscheck.diagnosis.patterns import PATTERNS
 from crosscheck.diagnosis.verdict import LEVEL_NAMES, PRECISIONS, tolerance
 from crosscheck.judge.compare import finite_or_none
 from crosscheck.verification.protocol import VerifyJob
@@ -128,11 +127,8 @@ class VerifyReport:
         names = self.explanations
         if not names:
             return self.diagnosis.fix if self.diagnosis else ""
-        texts = [
-            PATTERNS[n].fix if n in PATTERNS else FAMILY_FIXES.get(n, f"the step computes {n}")
-            for n in names
-        ]
-        return "; or ".join(texts) + f" ({GUIDE})"
+        texts = [fix_text(n, self.framework) for n in names]
+        return "; or ".join(texts) + f" ({guide(names, self.framework)})"
 
     def shown(self) -> str:
         """What the run showed, in one sentence."""

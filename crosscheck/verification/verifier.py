@@ -114,9 +114,11 @@ def judge(
     output: VerifyOutput | BaseException,
     precision: str = "auto",
     reference: ModelReference | None = None,
+    framework: str | None = None,
 ) -> VerifyCase:
     """Diagnose one gradient at `precision`; the case passes when the intended scheme fits.
-    `reference`: the user's model's group basis and intended gradient (``--model``)."""
+    `reference`: the user's model's group basis and intended gradient (``--model``);
+    `framework`: the step's, whose terms the fix is said in."""
     if isinstance(output, BaseException):
         return VerifyCase(job, math.inf, False, None, f"{type(output).__name__}: {output}")
     fixture = builtin_fixture(job.fixture)
@@ -132,6 +134,7 @@ def judge(
             logged_denominator=output.logged_denominator,
             basis=None if reference is None else reference.bases[job.fixture],
             intended_grads=None if reference is None else reference.intended[job],
+            framework=framework,
         )
     except ValueError as error:  # wrong keys or shapes that got past the runner
         return VerifyCase(job, math.inf, False, None, f"StepError: {error}")
@@ -247,6 +250,7 @@ def verify(
             outputs.get(job, StepError(f"{job.describe()}: planned but never reported")),
             precision,
             reference,
+            framework,
         )
         for job in jobs
     ]
