@@ -87,10 +87,10 @@ def _candidate(name: str, spec: SchemeSpec, batch: LaidOutBatch, **kw) -> Candid
     return Candidate(name, "pattern", batch.to_global(spec.effective_weights(batch)), **kw)
 
 
-#: Denominators whose value over a set of microbatches is the sum of theirs: counts of tokens,
-#: slots or weights, and of groups that never leave a row. Only over these is each
-#: accumulation step's count over all ranks the sum of its microbatches' (microstep-mean).
 def _additive(spec: SchemeSpec) -> bool:
+    """Whether D over a set of microbatches is the sum of theirs: counts of tokens, slots or
+    weights, and of groups that never leave a row. Only then is each accumulation step's count
+    over all ranks the sum of its microbatches' (microstep-mean)."""
     d = spec.denominator
     local_groups = d.kind in ("groups", "all_groups") and d.group in ("row", "segment")
     return d.kind in ("tokens", "slots", "weight_sum", "abs_row_weight_sum") or local_groups

@@ -198,12 +198,14 @@ class VerifyReport:
             f"1 + {minus_one:.1e} or more"
         )
         strict = [d.strict_skew[1] for d in self.diagnosed if d.strict_skew is not None]
-        if guaranteed != "float64" and strict:
-            judged = LEVEL_NAMES[self.level] if self.level else "no level"
+        # A float64-exact step judged under auto: what it guarantees is the coarser level's,
+        # and --strict, which it would pass, flags far smaller skews.
+        if self.level == "float64" and guaranteed != "float64" and strict:
             text = (
-                f"Judged at {judged}; under --precision auto a verdict may settle as coarse as "
-                f"{LEVEL_NAMES[guaranteed]}, where the run flags one {per}'s weights scaled by "
-                f"1 + {minus_one:.1e} or more; --strict flags from 1 + {max(strict):.1e}"
+                f"Judged at {LEVEL_NAMES['float64']}; under --precision auto a verdict may "
+                f"settle as coarse as {LEVEL_NAMES[guaranteed]}, where the run flags one "
+                f"{per}'s weights scaled by 1 + {minus_one:.1e} or more; --strict flags from "
+                f"1 + {max(strict):.1e}"
             )
         return text + "."
 
