@@ -20,7 +20,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 def main() -> int:
     """Run the command line; an interrupt ends the process in bounded time (exit 130)."""
-    from crosscheck.launch.processes import exit_bounded, interrupt_on_sigterm
+    from crosscheck.launch.processes import Interruption, exit_bounded, interrupt_on_sigterm
 
     # Before the imports below (numpy, rich, the harness: a second or so), so that a SIGTERM
     # during them is an interrupt too, not a silent death by signal.
@@ -28,9 +28,9 @@ def main() -> int:
     try:
         from crosscheck.cli.commands import main as cli_main
         from crosscheck.exit_codes import INTERRUPTED
-    except KeyboardInterrupt as error:  # nothing was started yet
-        name = error.args[0] if error.args else "SIGINT"
-        print(f"crosscheck: interrupted by {name}; nothing was started", file=sys.stderr)
+    except KeyboardInterrupt as error:  # nothing was started yet; the line any interrupt gives
+        name = str(error.args[0]) if error.args else "SIGINT"
+        print(Interruption(signal_name=name).message(), file=sys.stderr)
         return 130
     code = cli_main()
     if code == INTERRUPTED:
