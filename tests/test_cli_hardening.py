@@ -609,10 +609,12 @@ def _interrupt_cli(
     signum: int,
     ready: Callable[[subprocess.Popen, str], bool],
     settle_s: float = 0.0,
+    to_group: bool = False,
 ) -> _Interrupted:
     """`python -m crosscheck ARGV` with a unique marker in its environment, sent `signum` once
-    `ready(process, marker)` holds (within 120 s) and `settle_s` more have passed. Whatever
-    still runs afterwards is killed, after it was recorded."""
+    `ready(process, marker)` holds (within 120 s) and `settle_s` more have passed: to the CLI
+    alone, or with `to_group` to its whole process group (its own session), as a terminal
+    sends Ctrl-C. Whatever still runs afterwards is killed, after it was recorded."""
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(
         [sys.executable, "-m", "crosscheck", *argv],
@@ -621,6 +623,7 @@ def _interrupt_cli(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=to_group,  # its own group: the test plays the terminal
     )
     try:
         deadline = time.monotonic() + 120
@@ -631,7 +634,10 @@ def _interrupt_cli(
         time.sleep(settle_s)
         running = _marked(marker)
         sent = time.monotonic()
-        proc.send_signal(signum)
+        if to_group:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
         left = _marked(marker)
@@ -665,41 +671,15 @@ def test_ctrl_c_on_the_terminal_while_torch_starts_gives_one_line(settle_s):
     """SIGINT to the whole foreground group, as a terminal sends it, at several instants of the
     fork server's seconds of importing torch (counted from when it appears): exit 130, one
     line on stderr, no traceback from any process, nothing left running."""
-    marker = uuid.uuid4().hex
+
+    def server_started(proc: subprocess.Popen, marker: str) -> bool:
+        return any("multiprocessing.forkserver" in cmd for _, cmd in _marked(marker))
+
     argv = ["verify", "--framework", "torch", "--step", "examples.torch_hf_loss:step"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "crosscheck", *argv, "--scheme", "token_mean"],
-        cwd=ROOT,
-        env={**os.environ, MARKER: marker},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own group: the test plays the terminal
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not any("multiprocessing.forkserver" in cmd for _, cmd in _marked(marker)):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, _marked(marker)
-            time.sleep(0.05)
-        time.sleep(settle_s)
-        running = _marked(marker)
-        sent = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-        took = time.monotonic() - sent
-        left = _marked(marker)
-        give_up = time.monotonic() + 1.0  # a SIGKILLed process takes a moment to be a zombie
-        while left and time.monotonic() < give_up:
-            time.sleep(0.05)
-            left = _marked(marker)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-        _kill_marked(marker)
-    result = _Interrupted(running, took, proc.returncode, out, err, left)
-    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
+    argv += ["--scheme", "token_mean"]
+    result = _interrupt_cli(argv, ROOT, signal.SIGINT, server_started, settle_s, to_group=True)
+    output = result.out + result.err
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, result.err
     _assert_stopped_in_one_line(result, signal.SIGINT)
 
 
