@@ -37,6 +37,7 @@ from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.row_fields import ROW_FIELD_KEYS
 from crosscheck.launch.workers import write_atomically
 from crosscheck.verification.protocol import VerifyJob, take_logged_denominator
+from crosscheck.verification.step_check import takes_optimizer
 
 PARAM_NAMES = ("embed", "unembed")
 _LIBRARY_DIRS = tuple(
@@ -89,18 +90,12 @@ def import_step(spec: str, cwd: str) -> Callable[..., Any]:
 
 
 def _takes_optimizer(step: Callable[..., Any]) -> bool:
-    """Whether the step declares an ``optimizer`` parameter (a bare ``**kwargs`` does not count:
-    the step must ask for the optimizer to be held to the updates convention)."""
+    """Whether the step asks for an optimizer (`step_check.takes_optimizer`: the rule the
+    up-front check binds it by); a builtin or C callable without a signature does not."""
     try:
-        parameters = inspect.signature(step).parameters
-    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return takes_optimizer(inspect.signature(step))
+    except (TypeError, ValueError):
         return False
-    parameter = parameters.get("optimizer")
-    return parameter is not None and parameter.kind not in (
-        inspect.Parameter.POSITIONAL_ONLY,
-        inspect.Parameter.VAR_POSITIONAL,
-        inspect.Parameter.VAR_KEYWORD,
-    )
 
 
 @functools.cache

@@ -137,17 +137,24 @@ PROTOCOL_ARGUMENTS = {
 }
 
 
-def _binds(signature: inspect.Signature, framework: str) -> str:
-    """'' when the framework's harness can call a function of `signature`, else why not."""
-    optimizer = signature.parameters.get("optimizer")
-    keyword = optimizer is not None and optimizer.kind not in (
+def takes_optimizer(signature: inspect.Signature) -> bool:
+    """Whether a step declares an ``optimizer`` parameter that can be passed by keyword (a
+    bare ``**kwargs`` does not count: the step must ask for the optimizer to be held to the
+    convention that goes with it). The JAX worker reads its steps by this rule too."""
+    parameter = signature.parameters.get("optimizer")
+    return parameter is not None and parameter.kind not in (
         inspect.Parameter.POSITIONAL_ONLY,
         inspect.Parameter.VAR_POSITIONAL,
         inspect.Parameter.VAR_KEYWORD,
     )
+
+
+def _binds(signature: inspect.Signature, framework: str) -> str:
+    """'' when the framework's harness can call a function of `signature`, else why not."""
     arguments = PROTOCOL_ARGUMENTS[framework]
+    optimizer = {"optimizer": None} if takes_optimizer(signature) else {}
     try:
-        signature.bind(*arguments, **({"optimizer": None} if keyword else {}))
+        signature.bind(*arguments, **optimizer)
     except TypeError as error:
         return str(error)
     return ""
