@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import py_compile
 import re
 import signal
 import subprocess
@@ -386,8 +387,17 @@ def test_a_step_that_does_not_exist_is_one_setup_error(framework, tmp_path):
             "microbatches[, optimizer]): missing a required argument: 'batch'; it takes jax's "
             "(params, apply_fn, batch, mesh): --framework jax?",
         ),
+        (
+            "jax",
+            "from crosscheck import verify as check\n"
+            "def step(params, apply_fn, batch, mesh):\n    return {}\n"
+            "if True:\n    check('mysteps:step', framework='jax', scheme='token_mean')\n",
+            "{dir}/mysteps.py:5: the module starts a verification when it is imported, and "
+            "every process that runs the step imports it: put the call under `if __name__ == "
+            '"__main__":`',
+        ),
     ],
-    ids=["syntax-error", "torch-step-under-jax", "jax-step-under-torch"],
+    ids=["syntax-error", "torch-step-under-jax", "jax-step-under-torch", "verify-at-import"],
 )
 def test_a_step_that_cannot_run_is_one_setup_error_before_any_process(
     framework, source, why, tmp_path, monkeypatch, capsys
@@ -427,6 +437,103 @@ def test_the_python_api_refuses_a_missing_step_before_any_process(tmp_path, monk
     with pytest.raises(StepSetupError, match=r"--step nosuch\.sub:step: no module named 'nosuch'"):
         verify("nosuch.sub:step", framework="jax", scheme="token_mean")
     assert issubclass(StepSetupError, ValueError)
+
+
+# ---- a script without its __main__ guard ----------------------------------------------------
+
+#: A torch step with the classic per-microbatch mean: only its name and signature matter here.
+MICROBATCH_MEAN_STEP = """
+import torch.nn.functional as F
+
+
+def step(model, microbatches):
+    for mb in microbatches:
+        logits = model(mb["inputs"])
+        loss = F.cross_entropy(logits.flatten(0, 1), mb["targets"].flatten(), ignore_index=-100)
+        (loss / len(microbatches)).backward()
+"""
+
+#: The newcomer's script: verify called at the top level, with no __main__ guard.
+UNGUARDED_SCRIPT = """
+import crosscheck
+
+
+def main():
+    return crosscheck.verify("mysteps:step", framework="torch", scheme="token_mean")
+
+
+report = main()
+print("ok =", report.ok)
+print(report.message())
+"""
+
+
+def _script(tmp_path: Path, name: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, name], cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_a_script_without_its_main_guard_is_refused_before_any_process(tmp_path):
+    """Multiprocessing imports the calling script again in every torch rank: an unguarded call
+    would start the verification again in each. It is refused at once, naming the guard, from
+    the call stack (here through a function the script calls at its top level); the same call
+    under the guard passes that check (and stops at the next one, the step's signature, so
+    no process starts either)."""
+    (tmp_path / "mysteps.py").write_text(MICROBATCH_MEAN_STEP)
+    (tmp_path / "check.py").write_text(UNGUARDED_SCRIPT)
+    started = time.monotonic()
+    proc = _script(tmp_path, "check.py")
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ""  # no rank ran the script again and printed its "ok ="
+    assert proc.stderr.splitlines()[-1] == (
+        f"crosscheck.verification.step_check.StepSetupError: {tmp_path}/check.py:9: "
+        "crosscheck.verify (or assert_weighting) runs at the top level of the script: put the "
+        'call under `if __name__ == "__main__":` (every rank process imports the script again, '
+        "and would start the verification again)"
+    )
+    assert took < 30, took  # no torch launch (its first rank alone takes longer)
+
+    guarded = UNGUARDED_SCRIPT.replace(
+        "report = main()", 'if __name__ == "__main__":\n    report = main()'
+    )
+    guarded = guarded.replace("\nprint(", "\n    print(")
+    (tmp_path / "mysteps.py").write_text("def step(params, apply_fn, batch, mesh):\n    pass\n")
+    (tmp_path / "check.py").write_text(guarded)
+    proc = _script(tmp_path, "check.py")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "cannot take torch's (model, microbatches[, optimizer])" in proc.stderr.splitlines()[-1]
+
+
+def test_a_rank_that_runs_an_unguarded_script_again_stops_and_says_why(tmp_path):
+    """The backstop: a script whose source cannot be read (run from its .pyc alone) passes the
+    check of the call stack, and each rank that imports it again stops before verifying
+    anything, with one line; the caller's report names the missing guard for every case."""
+    (tmp_path / "mysteps.py").write_text(MICROBATCH_MEAN_STEP)
+    source = tmp_path / "check.py"
+    source.write_text(UNGUARDED_SCRIPT)
+    py_compile.compile(str(source), cfile=str(tmp_path / "check.pyc"), dfile="/gone/check.py")
+    source.unlink()
+    proc = _script(tmp_path, "check.pyc")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rank_lines = [line for line in proc.stderr.splitlines() if line.startswith("gradweight:")]
+    assert rank_lines and set(rank_lines) == {
+        "gradweight: /gone/check.py:9: crosscheck.verify (or assert_weighting) runs again in a "
+        'rank: put the call under `if __name__ == "__main__":` (every rank process imports the '
+        "script again, and would start the verification again)"
+    }, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "ok = False"  # once: no rank verified anything of its own
+    assert not any(line.startswith("ok =") for line in lines[1:]), proc.stdout
+    assert "could not run: none of its 10 fixture/layout cases ran" in lines[1]
+    cases = [line for line in lines[2:] if "StepError" in line]
+    assert len(cases) == 10
+    assert all(
+        "it imported the calling script again, which starts a verification at its top level: "
+        'put the call under `if __name__ == "__main__":`' in line
+        for line in cases
+    ), proc.stdout
 
 
 # ---- a non-finite gradient: a report, not a traceback ----------------------------------------

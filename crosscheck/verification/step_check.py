@@ -44,11 +44,132 @@ def step_name(step: str | Callable) -> str:
 
 
 class StepSetupError(ValueError):
-    """The step cannot be found: no such module, no such attribute, or not callable.
+    """The step cannot run as given: no such module, no such attribute, not callable, a syntax
+    error, a signature the framework's call cannot bind, or a verification started at import.
 
-    Raised by `verify` (through `check_step`) before any runner starts: the user's set-up is
-    wrong, and no case is run or reported.
+    Raised by `verify` (through `check_step` and `unguarded_main_call`) before any runner
+    starts: the user's set-up is wrong, and no case is run or reported.
     """
+
+
+#: The calls that start a verification. Made at a module's import, outside an ``if __name__ ==
+#: "__main__":`` guard, one runs again in every process that imports the module: the torch
+#: ranks (multiprocessing imports the main script again in each) and every step worker.
+VERIFY_CALLS = frozenset({"verify", "assert_weighting"})
+
+#: The exit status of a rank that stopped because it found itself starting a verification
+#: while multiprocessing imported the calling script again (`stop_rerun_in_rank`).
+MAIN_RERUN_EXIT = 86
+
+_GUARD_ADVICE = (
+    'put the call under `if __name__ == "__main__":` (every rank process imports the script '
+    "again, and would start the verification again)"
+)
+
+
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``, either way round."""
+    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
+        return False
+    test = node.test
+    if len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = (test.left, test.comparators[0])
+    names = [s.id for s in sides if isinstance(s, ast.Name)]
+    texts = [s.value for s in sides if isinstance(s, ast.Constant)]
+    return names == ["__name__"] and texts == ["__main__"]
+
+
+def _verify_call_line(tree: ast.Module) -> int | None:
+    """The line of a call to crosscheck's `verify` or `assert_weighting` that runs when the
+    module is imported: in a top-level statement other than a function or class definition or
+    the ``__main__`` guard, and not inside a function or lambda there. Only calls through a
+    name the module bound to crosscheck (``import crosscheck [as cc]``, ``from crosscheck
+    import verify [as v]``) count: another library's ``verify`` is not ours."""
+    modules, functions = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name == "crosscheck"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "crosscheck":
+            functions |= {a.asname or a.name for a in node.names if a.name in VERIFY_CALLS}
+    deferred = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+    pending = [n for n in tree.body if not isinstance(n, deferred) and not _is_main_guard(n)]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in functions) or (
+                isinstance(f, ast.Attribute)
+                and f.attr in VERIFY_CALLS
+                and isinstance(f.value, ast.Name)
+                and f.value.id in modules
+            ):
+                return node.lineno
+        pending.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, deferred))
+    return None
+
+
+def _main_frame(name: str) -> Any:
+    """The frame running the top level of the module called `name` (``__main__``, or
+    ``__mp_main__`` while multiprocessing imports the main script again), if one calls us."""
+    frame = sys._getframe(1)
+    found = None
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == name:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def _statement_at(path: str, line: int) -> ast.stmt | None:
+    """The top-level statement of the source file `path` that spans `line` (None when the
+    file cannot be read or parsed)."""
+    try:
+        tree = ast.parse(Path(path).read_bytes(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    end = lambda n: n.end_lineno or n.lineno  # noqa: E731
+    return next((n for n in tree.body if n.lineno <= line <= end(n)), None)
+
+
+def unguarded_main_call(what: str) -> str:
+    """Why `what` (``crosscheck.verify``, ...), called now, would run again in every torch rank,
+    or "" when it would not.
+
+    Python's multiprocessing (the fork server and spawn start methods alike) runs the main
+    script again, as ``__mp_main__``, in every process it starts, except a package's
+    ``__main__`` (``python -m pkg``) and an interactive session. A call made from the script's
+    top level outside its ``__main__`` guard therefore starts the verification again in each
+    rank. Read from the call stack and the script's source: a script that cannot be read is
+    not refused here (`stop_rerun_in_rank` is the rank's own backstop).
+    """
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name.rpartition(".")[2] == "__main__":
+        return ""
+    frame = _main_frame("__main__")
+    if frame is None:
+        return ""
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    statement = _statement_at(path, line)
+    if statement is None or _is_main_guard(statement):
+        return ""
+    return f"{path}:{line}: {what} runs at the top level of the script: {_GUARD_ADVICE}"
+
+
+def stop_rerun_in_rank(what: str) -> None:
+    """End this process, with one line on stderr, if `what` was called by multiprocessing's
+    import of the main script in a rank: the script lacks its ``__main__`` guard and the
+    caller's `unguarded_main_call` could not tell (a script it could not read). The rank must
+    not start a verification of its own; the launcher names the exit status `MAIN_RERUN_EXIT`.
+    """
+    frame = _main_frame("__mp_main__")
+    if frame is None:
+        return
+    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    print(f"gradweight: {where}: {what} runs again in a rank: {_GUARD_ADVICE}", file=sys.stderr)
+    sys.stderr.flush()
+    os._exit(MAIN_RERUN_EXIT)  # inside multiprocessing's start of the rank: nothing to unwind
 
 
 #: The one subprocess that imports the step's module to look for the function may take this
@@ -272,6 +393,13 @@ def check_step(
             ) from None
         except (OSError, ValueError):
             tree = None
+        line = None if tree is None else _verify_call_line(tree)
+        if line is not None:
+            raise StepSetupError(
+                f"{option} {step}: {origin}:{line}: the module starts a verification when it "
+                "is imported, and every process that runs the step imports it: put the call "
+                'under `if __name__ == "__main__":`'
+            )
         found = None if tree is None else _top_level(tree, function)
         if found is not None:
             problem = _signature_problem(found, framework) if option == "--step" else ""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
+from crosscheck.verification.step_check import MAIN_RERUN_EXIT
 
 if TYPE_CHECKING:  # torch is imported only when something is launched
     from torch_impl.harness.user_step import RankOutcome
@@ -158,7 +159,12 @@ def unfinished(
         return StepError(f"{job.describe()}: not run: {why}"), why, True
     started = _job_started(status_dir, index, world_size)
     if isinstance(error, RankFailedError) and error.rank not in reported:
-        if error.exitcode is not None:
+        if error.exitcode == MAIN_RERUN_EXIT:
+            cause = (
+                "it imported the calling script again, which starts a verification at its top "
+                'level: put the call under `if __name__ == "__main__":`'
+            )
+        elif error.exitcode is not None:
             cause = f"process {describe_exit(error.exitcode)} without reporting a result"
         else:
             cause = _short(error.details)

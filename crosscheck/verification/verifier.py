@@ -47,11 +47,19 @@ from crosscheck.run.implementations import not_installed
 from crosscheck.verification.model_basis import ModelReference, model_reference
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.report import VerifyCase, VerifyReport
-from crosscheck.verification.step_check import STEP_CHECK_TIMEOUT_S, check_step, step_name
+from crosscheck.verification.step_check import (
+    STEP_CHECK_TIMEOUT_S,
+    check_step,
+    step_name,
+    stop_rerun_in_rank,
+    unguarded_main_call,
+)
 
 # Re-exported: the public API finds it beside `verify`, which raises it.
 from crosscheck.verification.step_check import StepSetupError as StepSetupError
 
+#: How the set-up messages name the call that starts a verification.
+_CALL = "crosscheck.verify (or assert_weighting)"
 Framework = Literal["torch", "jax"]
 FRAMEWORKS = {
     "torch": "crosscheck.verification.torch_verify",
@@ -185,8 +193,14 @@ def verify(
     Raises ValueError for bad arguments, and `StepSetupError` (a ValueError) when `step`
     names a module or function that does not exist (`check_step`), before any process starts.
     """
+    # A rank importing an unguarded calling script again stops here, before any work.
+    stop_rerun_in_rank(_CALL)
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
+    if framework == "torch" and run_jobs is None:  # the torch ranks import the script again
+        problem = unguarded_main_call(_CALL)
+        if problem:
+            raise StepSetupError(problem)
     intended = resolve_scheme(scheme)
     if fixtures is None and not is_v1_scheme(intended):
         fixtures = SPEC_FIXTURES
