@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -10,13 +12,51 @@ import numpy as np
 from json_keys import RESULT_KEYS
 
 from crosscheck.cli.commands import main
+from crosscheck.cli.report import FAMILY_NAMES
 
 
-def run_crosscheck(*argv: str, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m crosscheck ARGV` in a fresh process, its output captured as text."""
+def run_crosscheck(
+    *argv: str, timeout: float, columns: str | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m crosscheck ARGV` in a fresh process, its output captured as text (a pipe),
+    with COLUMNS unset or set to `columns`."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if columns is not None:
+        env["COLUMNS"] = columns
     return subprocess.run(
-        [sys.executable, "-m", "crosscheck", *argv], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "crosscheck", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
+
+
+def test_the_main_jobs_output_fits_one_screen_and_ends_with_its_verdict():
+    """The main job's default output, piped with COLUMNS unset (as `make demo | less` or a CI
+    log): the seed's 9x, one line per family of rows, the skips in one line and the verdict
+    last, within 60 lines of at most 80 columns. The oracle's rows stand in for the whole
+    matrix (every family but the frameworks'): the lines are per family, not per row."""
+    completed = run_crosscheck("run", "--impls", "oracle", timeout=300)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    lines = completed.stdout.splitlines()
+    assert len(lines) <= 60, completed.stdout
+    assert max(len(line) for line in lines) <= 80, completed.stdout
+    assert "a token on rank 0 weighs 9.0x a token on rank 1 under rank_mean" in lines
+    families = ("oracle: layouts", "clipping placement", "oracle: term layouts")
+    for family in families:
+        assert sum(line.startswith(f"│ {family} ") for line in lines) == 1, completed.stdout
+    assert set(families) <= set(FAMILY_NAMES.values())
+    assert lines[-2].startswith("wall time ")
+    assert re.fullmatch(
+        r"OK: \d+ rows, 0 failed \(\d+ expected to move with the layout\)", lines[-1]
+    )
+    # COLUMNS, where set, is the width; the tables behind --rows group then keep one line
+    # per row (the compact layout is for narrow widths).
+    wide = run_crosscheck("run", "--impls", "oracle", "--rows", "group", timeout=300, columns="160")
+    widths = [len(line) for line in wide.stdout.splitlines()]
+    assert 80 < max(widths) <= 160, wide.stdout
+    assert any(line.startswith("┃ scheme ") for line in wide.stdout.splitlines()), wide.stdout
 
 
 def test_main_leaves_the_callers_numpy_error_state_alone(tmp_path):
@@ -60,9 +100,7 @@ def test_oracle_run_writes_the_documented_json_and_exits_zero(tmp_path):
         ("layout-invariance", "oracle", 4, 1),
         ("layout-invariance", "oracle", 4, 2),
     }
-    assert f"{len(skipped)} planned combinations not run: {len(skipped)} seed has 2 rows" in (
-        completed.stdout
-    )
+    assert f"{len(skipped)} planned combinations not run, for 1 reason: " in completed.stdout
 
 
 def test_run_filters_fixtures_schemes_and_layouts(tmp_path):

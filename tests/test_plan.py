@@ -25,7 +25,7 @@ from json_keys import SKIP_KEYS
 import crosscheck.run.matrix as matrix
 from crosscheck import builtin_fixture
 from crosscheck.cli.commands import main
-from crosscheck.cli.report import summary_line, write_json
+from crosscheck.cli.report import summary_lines, write_json
 from crosscheck.contract.cases import Case, SkippedCase
 from crosscheck.contract.schemes import SCHEMES, resolve_scheme
 from crosscheck.run import jax_runner, torch_runner
@@ -224,11 +224,19 @@ def test_the_oracle_gets_exactly_the_layouts_each_fixture_can_take(world_sizes, 
 
 def test_the_summary_line_and_the_json_count_the_skips_by_reason(tmp_path: Path):
     build = Plan().build()
-    line = summary_line([], 1.0, build.skipped)
+    line, time_line, verdict = summary_lines([], 1.0, build.skipped)
     assert f"{len(build.skipped)} planned combinations not run: " in line
-    for reason, count in Counter(s.reason for s in build.skipped).items():
+    counts = Counter(s.reason for s in build.skipped)
+    for reason, count in counts.items():
         assert f"{count} {reason}" in line
-    assert "FAILED: nothing was checked" in line  # no rows: a run that checked nothing fails
+    assert time_line == "wall time 1.0 s"
+    assert "FAILED: nothing was checked" in verdict  # no rows: a run that checked nothing fails
+    # The main job's one-line-per-family output names how many reasons, and where they are.
+    brief = summary_lines([], 1.0, build.skipped, reasons=False)[0]
+    assert brief == (
+        f"{len(build.skipped)} planned combinations not run, for {len(counts)} reasons: see "
+        "--rows group or --json"
+    )
     out = tmp_path / "run.json"
     write_json(out, [], 1.0, {}, skipped=build.skipped)
     payload = json.loads(out.read_text())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -30,14 +31,14 @@ from rich.table import Table
 
 from crosscheck import exit_codes
 from crosscheck.cli.launched_run import launched_run
-from crosscheck.cli.outputs import check_outputs, creatable, refuse
+from crosscheck.cli.outputs import check_outputs, creatable, output_width, refuse
 from crosscheck.cli.parser import build_parser, run_list_values
 from crosscheck.cli.placement import placed, torch_ranks
 from crosscheck.cli.report import (
     print_results,
     print_skipped,
     run_exit_code,
-    summary_line,
+    summary_lines,
     timings_table,
     write_json,
     write_update_log,
@@ -144,14 +145,14 @@ def _run_matrix(args: argparse.Namespace, console: Console, plan: Plan, started:
             progress.update(task, completed=done, total=total, description=label)
 
         result = run_matrix(plan, on_progress)
-    print_results(console, result.rows, per_case=args.rows == "case")
-    if result.skipped:
+    print_results(console, result.rows, args.rows)
+    tables = args.rows != "family"
+    if result.skipped and tables:
         print_skipped(console, result.skipped)
     if args.timings:
         console.print(timings_table(result.timings))
     wall = time.perf_counter() - started
     cpu = cpu_seconds()
-    console.print(summary_line(result.rows, wall, result.skipped, cpu), soft_wrap=True)
     if args.json is not None:
         write_json(
             args.json,
@@ -163,7 +164,7 @@ def _run_matrix(args: argparse.Namespace, console: Console, plan: Plan, started:
         )
     if args.log is not None:
         count = write_update_log(args.log, result.metrics(), result.term_logs)
-        console.print(f"wrote {count} per-update records to {args.log}")
+        console.print(f"wrote {count} per-update records to {args.log}", soft_wrap=True)
     if args.plot is not None:
         fixture = builtin_fixture(plan.fixtures[0])
         R, M = _plot_layout(fixture)
@@ -172,7 +173,10 @@ def _run_matrix(args: argparse.Namespace, console: Console, plan: Plan, started:
 
         args.plot.parent.mkdir(parents=True, exist_ok=True)  # checked creatable up front
         plot_effective_weights(fixture, args.plot, R, M)
-        console.print(f"wrote {args.plot} ({fixture.name}, R={R}, M={M})")
+        console.print(f"wrote {args.plot} ({fixture.name}, R={R}, M={M})", soft_wrap=True)
+    # The verdict is the last line, after what was written.
+    for line in summary_lines(result.rows, wall, result.skipped, cpu, reasons=tables):
+        console.print(line, soft_wrap=True)
     return run_exit_code(result.rows)
 
 
@@ -210,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     The previous signal handlers and numpy error state are restored on return.
     """
     args = build_parser().parse_args(argv)
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    # Text lines are never wrapped by us (a path or a command stays whole, to copy): the
+    # terminal wraps them; tables are drawn at the width.
+    console = Console(width=output_width(os.environ, sys.stdout.isatty()), soft_wrap=True)
     # A 0/0 anywhere in the reference is a bug: raise rather than carry a silent NaN. Scoped
     # to the command, so that calling main() from Python leaves the caller's state alone.
     with handle_signals(), np.errstate(divide="raise", invalid="raise"):

@@ -1,4 +1,5 @@
-"""Set-up errors of the command line: output paths that cannot be written, and the refusal.
+"""Set-up errors of the command line (output paths that cannot be written, the refusal), and
+the width the results are drawn at (`output_width`).
 
 Every command checks the files it will write (``--json``, ``--log``, ``--plot``,
 ``--markdown``, the export directory) before any work starts, without creating or changing
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from rich.console import Console
@@ -118,3 +120,17 @@ def print_error(line: str) -> None:
     # A console per line: it writes to the sys.stderr of the moment (pytest's capture too).
     errors = Console(stderr=True, soft_wrap=True, highlight=False)
     errors.print(f"[red]{escape(line)}[/]")
+
+
+#: The width of output going to a pipe or a file, when COLUMNS does not say.
+UNKNOWN_WIDTH = 80
+
+
+def output_width(environ: Mapping[str, str], isatty: bool) -> int | None:
+    """The width to draw stdout at: ``COLUMNS`` where set (a pipe's reader, a CI log), the
+    terminal's own (None: rich asks it) on a terminal, and 80 otherwise. Never the width of
+    a terminal the output does not go to (rich would read it from stderr or stdin)."""
+    columns = environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return None if isatty else UNKNOWN_WIDTH

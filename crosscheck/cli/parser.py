@@ -160,9 +160,10 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
     )
     run.add_argument(
         "--rows",
-        choices=("group", "case"),
-        default="group",
-        help="one table row per check and group of like cases, or one per case (default: group)",
+        choices=("family", "group", "case"),
+        default="family",
+        help="one line per family of rows (a check), a table per check with a row per group of "
+        "like cases, or with a row per case (default: family; --json holds every row)",
     )
     run.add_argument("--json", type=output_file, help="write every row as JSON here")
     run.add_argument(

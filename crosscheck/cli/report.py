@@ -45,8 +45,12 @@ CHECK_TITLES = {
 
 
 def expects_a_move(row: CaseResult) -> bool:
-    """Whether the row's check is expected to move with the layout: an accidental scheme,
-    or a term normalized more locally than the update (`crosscheck.run.objectives`)."""
+    """Whether the row's check may move with the layout, as the contract predicts: an
+    accidental scheme, a term normalized more locally than the update
+    (`crosscheck.run.objectives`), clipping per microbatch (it moves the update where a norm
+    exceeds the threshold)."""
+    if row.check == "clipping":
+        return True
     if row.check in ("objective", "term-layout"):
         return row.extra.get("expected") == "layout-dependent"
     return not resolve_scheme(row.scheme).intended
@@ -58,10 +62,12 @@ def _verdict(rows: list[CaseResult]) -> str:
         return "[red]NOT RUN[/]"
     if failed:
         return "[red]FAIL[/]"
-    if rows[0].check == "clipping" or (
-        rows[0].check in ("layout-invariance", "world-size-change", "term-layout")
-        and expects_a_move(rows[0])
-    ):
+    if rows[0].check in (
+        "clipping",
+        "layout-invariance",
+        "world-size-change",
+        "term-layout",
+    ) and expects_a_move(rows[0]):
         # An accidental scheme moves with the layout, except where the layouts compared split
         # the batch into the same microbatches (microbatch_mean at fixed R x M). Clipping per
         # microbatch moves the update only where a norm exceeds the threshold.
@@ -120,40 +126,35 @@ def _compact_verdict(verdict: str) -> str:
     return verdict.replace(", as expected", ",\nas expected").replace("same here", "same\nhere")
 
 
+def _constant(column: list[str]) -> bool:
+    return len(set(column)) == 1
+
+
 def results_table(
     check: str, rows: list[CaseResult], per_case: bool, compact: bool = False
 ) -> Table:
     """One check's rows, grouped (GROUP_BY) or one per case.
 
-    `compact` (for narrow terminals): fixture, scheme, impl and strategy (and R, M, dtype per
-    case) share the first column, the only one that wraps (between names), and the headers
-    take two lines.
+    A column with the same cell in every line of a table of several lines is not drawn: its
+    value goes under the title once (``impl oracle · strategy closed-form``), and a column of
+    dashes (no deviation from token_mean to show) is dropped. `compact` (for narrow
+    terminals): fixture, scheme, impl and strategy (and R, M, dtype per case) share the first
+    column, the only one that wraps (between names), and the headers take two lines.
     """
-    table = Table(title=CHECK_TITLES.get(check, check), title_justify="left")
-    numbers = ["max rel err", "vs token_mean", "weight ratio", "result"]
-    if compact:
-        names = [*COLUMNS, *(("R", "M", "dtype") if per_case else ())]
-        table.add_column(" ".join(names), overflow="fold")
-        for column in ([] if per_case else ["cases"]) + numbers:
-            table.add_column(column.replace(" ", "\n", 1), justify="right", no_wrap=True)
-    else:
-        columns = [*COLUMNS, *(("R", "M", "dtype") if per_case else ("cases",)), *numbers]
-        for column in columns:
-            table.add_column(column, justify="left" if column in COLUMNS else "right")
+    names = [*COLUMNS, *(("R", "M", "dtype") if per_case else ())]
+    numbers = [*(() if per_case else ("cases",)), "max rel err", "vs token_mean"]
+    numbers += ["weight ratio", "result"]
     key_fields = (*COLUMNS, "world_size", "accum_steps", "dtype") if per_case else GROUP_BY[check]
     groups: dict[tuple, list[CaseResult]] = {}
     for row in rows:
         groups.setdefault(tuple(getattr(row, f) for f in key_fields), []).append(row)
+    lines = []
     for group in groups.values():
         deviations = [r.deviation for r in group if r.deviation is not None]
         cells = [_collapse({getattr(r, field) for r in group}, PLURALS[field]) for field in COLUMNS]
         if per_case:
             cells += [str(group[0].world_size), str(group[0].accum_steps), group[0].dtype]
-        if compact:
-            if per_case:
-                cells = [*cells[:4], f"R={cells[4]} M={cells[5]}", cells[6]]
-            cells = [" ".join(cells)]
-        if not per_case:
+        else:
             cells.append(str(len(group)))
         verdict = _verdict(group)
         cells += [
@@ -162,25 +163,126 @@ def results_table(
             f"{max(r.weight_ratio for r in group):.3g}",
             _compact_verdict(verdict) if compact else verdict,
         ]
-        table.add_row(*cells)
+        lines.append(cells)
+    headers = [*names, *numbers]
+    shown = list(range(len(headers)))
+    title = CHECK_TITLES.get(check, check)
+    if len(lines) > 1:
+        constant = [i for i in shown if _constant([line[i] for line in lines])]
+        # "impl oracle", but "2 fixtures" (a count names itself) and "4 cases" alike.
+        stated = [
+            lines[0][i]
+            if lines[0][i].endswith(f" {PLURALS.get(headers[i], headers[i])}")
+            else f"{lines[0][i]} cases each"
+            if headers[i] == "cases"
+            else f"{headers[i]} {lines[0][i]}"
+            for i in constant
+            if lines[0][i] != "-" and headers[i] != "result"
+        ]
+        # The result stays: it is the verdict of each line, even where all agree.
+        shown = [i for i in shown if i not in constant or headers[i] == "result"]
+        if stated:  # a line of its own, each value a word by itself (to copy, to search)
+            title += "\n" + " · ".join(stated)
+    table = Table(title=title, title_justify="left")
+    named = [i for i in shown if headers[i] in names]
+    counted = [i for i in shown if headers[i] not in names]
+    if compact and named:
+        table.add_column(" ".join(headers[i] for i in named), overflow="fold")
+        for i in counted:
+            table.add_column(headers[i].replace(" ", "\n", 1), justify="right", no_wrap=True)
+    else:
+        for i in shown:
+            table.add_column(headers[i], justify="left" if headers[i] in COLUMNS else "right")
+    for line in lines:
+        if compact and named:
+            words = [line[i] for i in named]
+            if per_case and "R" in [headers[i] for i in named]:
+                words = [
+                    f"R={line[i]}"
+                    if headers[i] == "R"
+                    else f"M={line[i]}"
+                    if headers[i] == "M"
+                    else line[i]
+                    for i in named
+                ]
+            table.add_row(" ".join(words), *(line[i] for i in counted))
+        else:
+            table.add_row(*(line[i] for i in shown))
     return table
 
 
-def print_results(console: Console, rows: list[CaseResult], per_case: bool = False) -> None:
+#: Each check's line in the one-line-per-family summary (`family_table`).
+FAMILY_NAMES = {
+    "layout-invariance": "oracle: layouts",
+    "vs-oracle": "impls vs oracle",
+    "cross-impl": "impls vs each other",
+    "world-size-change": "world-size change",
+    "resume": "checkpoint resume",
+    "clipping": "clipping placement",
+    "objective": "objectives vs oracle",
+    "term-layout": "oracle: term layouts",
+}
+
+
+def family_table(rows: Sequence[CaseResult]) -> Table:
+    """One line per family of rows (a check): how many rows, how many passed and, of those,
+    how many the contract expects to move with the layout (`expects_a_move`), and
+    the worst relative error of the rows that must match their reference ("all move" where
+    every row may move)."""
+    table = Table(title="checks (--rows group: a table per check)", title_justify="left")
+    for column in ("check", "rows", "passed", "expected\nto move", "worst\nrel err"):
+        table.add_column(column, justify="left" if column == "check" else "right")
+    table.add_column("result", justify="right")
     by_check: dict[str, list[CaseResult]] = {}
     for row in rows:
         by_check.setdefault(row.check, []).append(row)
     for check, group in by_check.items():
-        wide = results_table(check, group, per_case)
-        console.print(
-            fitted(console, wide, lambda c=check, g=group: results_table(c, g, per_case, True))
+        passed = [r for r in group if r.ok]
+        moved = sum(expects_a_move(r) for r in passed)
+        must_match = [r.max_rel_err for r in group if not expects_a_move(r)]
+        failed = len(group) - len(passed)
+        not_run = sum(r.not_run for r in group if not r.ok)
+        result = (
+            "[green]pass[/]"
+            if not failed
+            else "[red]NOT RUN[/]"
+            if failed == not_run
+            else "[red]FAIL[/]"
         )
+        table.add_row(
+            FAMILY_NAMES.get(check, check),
+            str(len(group)),
+            str(len(passed)),
+            str(moved),
+            _fmt(max(must_match)) if must_match else "all move",
+            result,
+        )
+    return table
+
+
+def print_results(console: Console, rows: list[CaseResult], layout: str = "group") -> None:
+    """The run's rows: one line per family (`layout` "family"), a table per check of grouped
+    rows ("group") or of single cases ("case"); then every failure, each in full (the first
+    20; the JSON holds them all)."""
+    if layout == "family":
+        console.print(family_table(rows))
+    else:
+        by_check: dict[str, list[CaseResult]] = {}
+        for row in rows:
+            by_check.setdefault(row.check, []).append(row)
+        per_case = layout == "case"
+        for check, group in by_check.items():
+            wide = results_table(check, group, per_case)
+            console.print(
+                fitted(console, wide, lambda c=check, g=group: results_table(c, g, per_case, True))
+            )
     failures = [r for r in rows if not r.ok]
     for row in failures[:20]:
         verdict = "NOT RUN" if row.not_run else "FAIL"
         console.print(
             f"[red]{verdict}[/] {row.check} {row.impl} {row.fixture}/{row.scheme} {row.strategy} "
-            f"R={row.world_size} M={row.accum_steps} {row.dtype}: {row.detail}"
+            f"R={row.world_size} M={row.accum_steps} {row.dtype}: {escape(row.detail)}",
+            soft_wrap=True,
         )
     if len(failures) > 20:
         console.print(f"[red]... and {len(failures) - 20} more failures (see --json)[/]")
@@ -254,31 +356,43 @@ def _rows(count: int) -> str:
     return f"{count} row" if count == 1 else f"{count} rows"
 
 
-def summary_line(
+def summary_lines(
     rows: Sequence[CaseResult],
     wall_s: float,
     skipped: Sequence[SkippedCase] = (),
     cpu_s: float | None = None,
-) -> str:
-    """One line: rows, failures, the verdict, what the plan did not run and why, wall time
-    and, when given, CPU seconds (this process and every process it started)."""
-    failed = sum(not r.ok for r in rows)
-    not_run = sum(not r.ok and r.not_run for r in rows)
-    accidental = sum(expects_a_move(r) for r in rows if r.ok)
-    if not rows:
-        verdict = "[red]FAILED: nothing was checked[/]"
-    else:
-        verdict = "[green]OK[/]" if not failed else "[red]FAILED[/]"
-    could_not_run = f", {not_run} of them could not be run" if not_run else ""
-    line = (
-        f"{_rows(len(rows))}, {failed} failed{could_not_run} ({_rows(accidental)} of accidental "
-        f"schemes and local terms behaved as predicted): {verdict}"
-    )
+    reasons: bool = True,
+) -> list[str]:
+    """The run's last lines: what the plan did not run (with every reason, or, without
+    `reasons`, how many reasons and where they are listed), the wall time and, when given,
+    CPU seconds (this process and every process it started), and the one-line verdict."""
+    lines = []
     if skipped:
-        reasons = skip_reasons(skipped)
-        by_reason = "; ".join(f"{count} {escape(reason)}" for reason, count in reasons)
-        line += f"; {len(skipped)} planned combinations not run: {by_reason}"
-    return f"{line}   {time_figures(wall_s, cpu_s)}"
+        counts = skip_reasons(skipped)
+        if reasons:
+            by_reason = "; ".join(f"{count} {escape(reason)}" for reason, count in counts)
+            lines.append(f"{len(skipped)} planned combinations not run: {by_reason}")
+        else:
+            lines.append(
+                f"{len(skipped)} planned combinations not run, for {len(counts)} "
+                f"reason{'s' if len(counts) > 1 else ''}: see --rows group or --json"
+            )
+    lines.append(time_figures(wall_s, cpu_s))
+    lines.append(verdict_line(rows))
+    return lines
+
+
+def verdict_line(rows: Sequence[CaseResult]) -> str:
+    """``OK: 7052 rows, 0 failed (738 expected to move with the layout)``, or FAILED and why."""
+    if not rows:
+        return "[red]FAILED: nothing was checked[/]"
+    failed = sum(not r.ok for r in rows)
+    if failed:
+        not_run = sum(not r.ok and r.not_run for r in rows)
+        could_not = f", {not_run} of them could not run" if not_run else ""
+        return f"[red]FAILED[/]: {failed} of {_rows(len(rows))} failed{could_not}"
+    moved = sum(expects_a_move(r) for r in rows)
+    return f"[green]OK[/]: {_rows(len(rows))}, 0 failed ({moved} expected to move with the layout)"
 
 
 def time_figures(wall_s: float, cpu_s: float | None) -> str:
