@@ -221,3 +221,37 @@ def test_the_readme_worked_example_of_auxiliary_terms_is_what_the_example_prints
         cwd=ROOT,
     ).stdout.strip()
     assert f"```\n{printed}\n```" in (ROOT / "README.md").read_text()
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_picture_is_in_the_repository(document: Path) -> None:
+    pictures = [
+        (n, m.group(1))
+        for n, line in _prose_lines(document.read_text())
+        for m in IMAGE.finditer(line)
+    ]
+    missing = [
+        f"{_where(document, n)}: {target}"
+        for n, target in pictures
+        if not (document.parent / target).resolve().is_relative_to(ROOT)
+        or not (document.parent / target).is_file()
+    ]
+    assert not missing, missing
+
+
+def test_the_readme_counts_the_patterns_it_catalogues_and_shows_verifys_picture() -> None:
+    from PIL import Image
+
+    from crosscheck.diagnosis.patterns import PATTERNS
+
+    text = (ROOT / "README.md").read_text()
+    assert f"The {len(PATTERNS)} catalogued patterns" in text
+    # The picture is what `verify --plot` draws for the 9x example's rank-local count (the
+    # command beside it in the README): its title, kept in the PNG's Title text, says so.
+    assert "![" in text and "(docs/images/nine_x.png)" in text
+    title = Image.open(ROOT / "docs" / "images" / "nine_x.png").text["Title"]
+    assert title.startswith("examples.torch_hf_loss:step_rank_count: rank-mean, weight ratio 9x")
+    assert title.endswith("seed, R=2, M=1; intended token_mean")

@@ -125,21 +125,21 @@ def test_bugs_without_a_framework_names_it_and_the_way_around(absent, capsys):
     ]
 
 
-def test_plot_without_matplotlib_is_refused_before_the_run(absent, capsys, tmp_path):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("run", "--impls", "oracle", "--fixtures", "packed"),
+        ("verify", "--framework", "torch", "--step", "no_such:step", "--scheme", "token_mean"),
+    ],
+    ids=["run", "verify"],
+)
+def test_plot_without_matplotlib_is_refused_before_the_run(argv, absent, capsys, tmp_path):
     absent("matplotlib")
-    code, lines = _refused(
-        capsys,
-        "run",
-        "--impls",
-        "oracle",
-        "--fixtures",
-        "packed",
-        "--plot",
-        str(tmp_path / "w.png"),
-    )
+    code, lines = _refused(capsys, *argv, "--plot", str(tmp_path / "w.png"))
     assert code == exit_codes.SETUP_ERROR
+    # Before the step is looked for: the missing step would be the next refusal.
     assert lines == [
-        "crosscheck run: --plot needs matplotlib, which is not installed here: "
+        f"crosscheck {argv[0]}: --plot needs matplotlib, which is not installed here: "
         "pip install 'gradweight[plot]'"
     ]
     assert not Path(tmp_path / "w.png").exists()

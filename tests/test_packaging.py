@@ -256,7 +256,7 @@ def test_the_plugin_passes_a_correct_step_and_fails_a_wrong_one_with_the_diagnos
         [
             "*test_nanogpt*",
             "E *AssertionError: examples.torch_nanogpt:step (torch) does NOT match token_mean "
-            "on 1 fixture/layout cases at float64-exact*",
+            "on 1 fixture/layout case at float64-exact*",
             "E *Explains every case: microbatch-mean.",
             "E *Fix: do not average per-microbatch means*",
             "E *examples.torch_nanogpt:step (torch) against token_mean",

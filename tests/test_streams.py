@@ -137,6 +137,7 @@ RUN = ("run", "--impls", "oracle", "--fixtures", "seed", "--no-resume")
         (RUN, "run", "--log"),
         (RUN, "run", "--plot"),
         ((*VERIFY, "--scheme", "token_mean"), "verify", "--json"),
+        ((*VERIFY, "--scheme", "token_mean"), "verify", "--plot"),
         (("bugs", "--frameworks", "torch"), "bugs", "--json"),
         (("bench", "--quick"), "bench", "--json"),
         (("conformance",), "conformance", "--json"),

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 from child_env import ROOT
+from PIL import Image
 
 from crosscheck.verification.verifier import (
     DEFAULT_FIXTURES,
@@ -83,9 +85,23 @@ def test_example_through_the_cli(step, tmp_path):
         "2",
         "--json",
         str(path),
+        "--plot",
+        str(tmp_path / "pictures" / "weights.png"),
     ]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == (0 if passes else 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The picture of the case the headline names, its title in the PNG's own Title text; then
+    # the verdict, the last line.
+    picture = tmp_path / "pictures" / "weights.png"
+    title = Image.open(picture).text["Title"]
+    if passes:
+        assert title.startswith(f"{step}: matches token_mean"), title
+    else:
+        assert re.match(rf"{re.escape(step)}: {named}, weight ratio [\d.]+x", title), title
+    assert title.endswith("ragged, R=2, M=2; intended token_mean"), title
+    lines = proc.stdout.splitlines()
+    assert lines[-2] == f"wrote {picture} (ragged R=2 M=2)"
+    assert lines[-1].startswith("OK   " if passes else "FAIL   ")
     data = json.loads(path.read_text())
     assert data["ok"] is passes
     assert {"ok", "max_rel_err", "diagnosis"} <= set(data)

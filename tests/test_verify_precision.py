@@ -191,7 +191,7 @@ def test_each_outcome_has_one_honest_headline_without_a_dash_or_inf():
     lines = {name: report.message().splitlines()[0] for name, report in headlines.items()}
     assert lines["verified"].startswith("my:step (jax) matches token_mean on 1 fixture/layout")
     assert lines["nothing ran"] == (
-        "my:step (jax) could not run: none of its 1 fixture/layout cases ran (below)."
+        "my:step (jax) could not run: none of its 1 fixture/layout case ran (below)."
     )
     assert lines["non-finite"].startswith("my:step (jax) does NOT match token_mean on 1 ")
     assert "a non-finite gradient in 1 case" in lines["non-finite"]

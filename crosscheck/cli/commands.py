@@ -17,7 +17,6 @@ SIGTERM stop every process the command started and print one line (exit 130,
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -31,7 +30,13 @@ from rich.table import Table
 
 from crosscheck import exit_codes
 from crosscheck.cli.launched_run import launched_run
-from crosscheck.cli.outputs import check_outputs, creatable, output_width, refuse
+from crosscheck.cli.outputs import (
+    check_outputs,
+    creatable,
+    output_width,
+    plot_problem,
+    refuse,
+)
 from crosscheck.cli.parser import build_parser, run_list_values
 from crosscheck.cli.placement import placed, torch_ranks
 from crosscheck.cli.report import (
@@ -111,14 +116,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     # Before the matrix, not after it: a path that cannot be written would otherwise fail
     # only once the whole run is done.
     problem = check_outputs("run", {"--json": args.json, "--log": args.log, "--plot": args.plot})
+    problem = problem or plot_problem("run", args.plot)
     if problem:
         return refuse(console, problem)
-    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        return refuse(
-            console,
-            "crosscheck run: --plot needs matplotlib, which is not installed here: "
-            "pip install 'gradweight[plot]'",
-        )
     try:  # where the torch ranks and JAX workers run (docs/gpu.md), before any process
         placement = placed(args.device, args.platform, torch_ranks(plan), plan.impls)
     except ValueError as error:
@@ -287,7 +287,8 @@ def verify(args: argparse.Namespace, console: Console) -> int:
     """`verify`: the JSON path is checked before the step is, and both before any process."""
     from crosscheck.cli.verify_report import verify_command
 
-    problem = check_outputs("verify", {"--json": args.json})
+    problem = check_outputs("verify", {"--json": args.json, "--plot": args.plot})
+    problem = problem or plot_problem("verify", args.plot)
     if problem:
         return refuse(console, problem)
     # Under torchrun or in a multi-host JAX job: this process is one rank of it (docs/gpu.md).

@@ -13,6 +13,7 @@ than written as a file named ``out``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 from collections.abc import Mapping
@@ -134,3 +135,14 @@ def output_width(environ: Mapping[str, str], isatty: bool) -> int | None:
     if columns.isdigit() and int(columns) > 0:
         return int(columns)
     return None if isatty else UNKNOWN_WIDTH
+
+
+def plot_problem(command: str, plot: Path | None) -> str:
+    """Why `command`'s ``--plot`` cannot be drawn here ("" when it can, or was not asked for):
+    matplotlib is an optional extra."""
+    if plot is None or importlib.util.find_spec("matplotlib") is not None:
+        return ""
+    return (
+        f"crosscheck {command}: --plot needs matplotlib, which is not installed here: "
+        "pip install 'gradweight[plot]'"
+    )

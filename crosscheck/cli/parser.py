@@ -287,6 +287,12 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         "fn(model, microbatch); JAX: fn(apply_fn, params, microbatch)); default: model(inputs)",
     )
     verify.add_argument("--json", type=output_file, help="write the report as JSON here")
+    verify.add_argument(
+        "--plot",
+        type=output_file,
+        help="write a PNG here: the case the headline names, each group's per-token weight "
+        "against the intended one, by rank and microbatch (needs matplotlib)",
+    )
     _add_placement(verify)
     _add_multihost(verify)
     _add_renamed(verify, "verify")

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from crosscheck import exit_codes
-from crosscheck.cli.outputs import refuse
+from crosscheck.cli.outputs import print_error, refuse
 from crosscheck.cli.report import fitted, time_figures
 from crosscheck.diagnosis.verdict import LEVEL_NAMES
 from crosscheck.launch.cpu_time import cpu_seconds
@@ -109,11 +109,23 @@ def write_verify_report(
     report's JSON and `record_extra` beside it (a launched run's as its own)."""
     print_verify_table(console, report)
     console.print(report.message(), markup=False, highlight=False)
-    console.print(f"{'OK' if report.ok else 'FAIL'}   {figures}")
     if args.json is not None:
         record = {**report.to_json(), **record_extra}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+    if getattr(args, "plot", None) is not None:
+        diagnosis = report.diagnosis
+        if diagnosis is None or not diagnosis.groups:
+            print_error(
+                f"crosscheck verify: --plot {args.plot}: no case was diagnosed, nothing drawn"
+            )
+        else:
+            args.plot.parent.mkdir(parents=True, exist_ok=True)  # checked creatable up front
+            diagnosis.plot(args.plot, report.step)
+            case = f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}"
+            console.print(f"wrote {args.plot} ({case})", markup=False, highlight=False)
+    # The verdict is the last line.
+    console.print(f"{'OK' if report.ok else 'FAIL'}   {figures}")
 
 
 def verify_exit_code(report: VerifyReport) -> int:

@@ -7,6 +7,7 @@ write it as JSON (`Diagnosis.to_json`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from crosscheck.contract.spec import SchemeSpec
@@ -97,6 +98,15 @@ class Diagnosis:
     @property
     def tolerance(self) -> float:
         return tolerance(self.precision)
+
+    def plot(self, path: str | Path, what: str = "") -> Path:
+        """Draw the case as a PNG at `path` (`crosscheck.diagnosis.plot`): every group's
+        recovered per-token weight against the intended one, a band per rank x microbatch
+        unit, the pattern and its weight ratio in the title (`what`, e.g. the step, first).
+        Needs matplotlib (``pip install 'gradweight[plot]'``)."""
+        from crosscheck.diagnosis.plot import plot_diagnosis
+
+        return plot_diagnosis(self, path, what)
 
     def to_json(self) -> dict[str, Any]:
         skew = self.detectable_skew

@@ -162,13 +162,14 @@ class VerifyReport:
             measured.append(f"tolerance {tolerance(level):.0e}")
         at = f" at {LEVEL_NAMES[level]}" if level is not None else ""
         numbers = f" ({', '.join(measured)})" if measured else ""
+        cases = f"{n} fixture/layout case{'s' * (n != 1)}"
         if not ran:
-            return f"{who} could not run: none of its {n} fixture/layout cases ran (below)."
+            return f"{who} could not run: none of its {cases} ran (below)."
         if self.ok:
-            return f"{who} matches {self.scheme.name} on {n} fixture/layout cases{at}{numbers}."
+            return f"{who} matches {self.scheme.name} on {cases}{at}{numbers}."
         if self.best_match == "error":
             return (
-                f"{who} could not run {failed} of its {n} fixture/layout cases (below); the "
+                f"{who} could not run {failed} of its {cases} (below); the "
                 f"{len(ran)} that ran match {self.scheme.name}{at}{numbers}."
             )
         if level is None:
@@ -176,7 +177,7 @@ class VerifyReport:
             numbers = f" ({', '.join(measured)})"
         unran = f"; {failed} could not run (below)" if failed else ""
         return (
-            f"{who} does NOT match {self.scheme.name} on {n} fixture/layout cases{at}{numbers}"
+            f"{who} does NOT match {self.scheme.name} on {cases}{at}{numbers}"
             f"{unran}."
         )
 
