@@ -119,6 +119,22 @@ def test_world_size_change_separates_intended_from_accidental():
     rows = {r.scheme: r for r in world_size_change(outputs, [((1, 4), (2, 2), (4, 1))])}
     assert rows["token_mean"].ok and rows["token_mean"].max_rel_err <= 1e-12
     assert rows["rank_mean"].ok and rows["rank_mean"].max_rel_err > 1e-3  # shown, not failed
+    # The weight ratio of a row over several layouts is its scheme's at the worst of them, the
+    # figure the vs-oracle rows give at each (not a default 1 for an accidental scheme).
+    at_each = {
+        layout: compare_with_oracle(c, oracle_output(c), SETTINGS).weight_ratio
+        for c in outputs
+        if c.scheme == "rank_mean"
+        for layout in [(c.world_size, c.accum_steps)]
+    }
+    assert rows["rank_mean"].weight_ratio == max(at_each.values()) > 1.5, at_each
+    assert rows["token_mean"].weight_ratio == 1
+    (cross,) = cross_implementation(
+        {c: oracle_output(c) for c in (case(fixture="seed", scheme="rank_mean", strategy="naive",
+         accum_steps=1), case(fixture="seed", scheme="rank_mean", strategy="naive",
+         accum_steps=1, impl="jax-pmap"))}
+    )  # fmt: skip
+    assert cross.weight_ratio == pytest.approx(9.0, rel=1e-12)
 
 
 def test_clipping_per_microbatch_differs_exactly_when_a_norm_exceeds_the_threshold():

@@ -19,7 +19,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, CaseResult, Params, TrainSettings
 from crosscheck.contract.optimizers import UpdateRecord, train
-from crosscheck.contract.schemes import resolve_scheme
+from crosscheck.contract.schemes import effective_weights, resolve_scheme
 from crosscheck.diagnosis.diagnose import diagnose
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import RTOL_BY_DTYPE, tree_rel_err
@@ -180,6 +180,17 @@ def failed_case(case: Case, error: BaseException | str, not_run: bool = True) ->
     )
 
 
+@cache
+def layouts_weight_ratio(fixture: str, scheme: str, layouts: tuple[tuple[int, int], ...]) -> float:
+    """The scheme's weight ratio (largest over smallest effective per-token weight among the
+    valid tokens) at the worst of `layouts`: what a row over several layouts reports, the
+    same figure a row at one of them gives."""
+    data = builtin_fixture(fixture)
+    return max(
+        weight_ratio(effective_weights(scheme, data.layout(R, M)), data.valid) for R, M in layouts
+    )
+
+
 def cross_implementation(outputs: dict[Case, CaseOutput]) -> list[CaseResult]:
     """Per fixture, scheme, layout and dtype: the largest disagreement between any two cases."""
     groups: dict[tuple, list[Case]] = {}
@@ -212,6 +223,7 @@ def cross_implementation(outputs: dict[Case, CaseOutput]) -> list[CaseResult]:
                 dtype=dtype,
                 max_rel_err=worst,
                 ok=worst <= rtol,
+                weight_ratio=layouts_weight_ratio(fixture, scheme, ((R, M),)),
                 reference=f"{len(cases)} runs against each other, gradients",
                 detail=f"worst pair: {pair[0].describe()} vs {pair[1].describe()}",
                 extra={"impls": sorted({c.impl for c in cases})},
@@ -267,6 +279,7 @@ def world_size_change(
                     dtype=dtype,
                     max_rel_err=worst,
                     ok=ok,
+                    weight_ratio=layouts_weight_ratio(fixture, scheme, tuple(present)),
                     reference=(
                         f"{'params' if outputs[layouts[present[0]]].params else 'gradient'} "
                         f"at R={present[0][0]},M={present[0][1]}"
