@@ -4,7 +4,8 @@ Exit status (`crosscheck.exit_codes`): 0 when every path of every setup was judg
 timed; 1 when a path was refused (its gradient is not the one it should be); 3 when a
 framework's processes failed and nothing was refused; 2 for a set-up error found before any
 launch (an unwritable --json, --device cuda without enough GPUs). Speed never decides it:
-the ratios depend on the machine, and the report shows them against the 2% budget.
+the ratios depend on the machine, and the report shows them against the 2% budget (under
+--quick without that verdict: its few unwarmed rounds cannot judge speed).
 """
 
 from __future__ import annotations

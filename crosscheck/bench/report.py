@@ -23,6 +23,12 @@ from crosscheck.launch.workers import write_atomically
 
 #: The acceptance: fused postnorm may cost at most 2% over naive (median of ratios).
 FUSED_BUDGET = 1.02
+#: What a --quick run says in place of the verdict: its figures show that the paths run, and
+#: three rounds with no warm-up say nothing about speed.
+QUICK_NO_VERDICT = (
+    f"--quick: too few rounds, with no warm-up, to judge speed; no verdict against the "
+    f"{FUSED_BUDGET} budget (a run without --quick gives one)"
+)
 RATIO_METHOD = (
     "median over rounds of t_path_i / t_naive_i, each round running every path once in "
     "turn (rotating which goes first): drift that moves a whole round cancels"
@@ -160,24 +166,33 @@ def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) 
                 f"{name} peak memory: {framework.output['memory_method']}", soft_wrap=True
             )
     console.print("machine: " + ", ".join(f"{k} {v}" for k, v in info.items()), soft_wrap=True)
-    for line in acceptance_lines(rows):
+    for line in acceptance_lines(rows, quick=config.quick):
         console.print(line, soft_wrap=True)
 
 
-def acceptance_lines(rows: list[dict]) -> list[str]:
+def acceptance_lines(rows: list[dict], quick: bool = False) -> list[str]:
     """fused / naive per setup against the 2% budget (a line per setup), the ratio's 95%
-    interval beside it: an interval reaching past the budget says the run cannot tell."""
+    interval beside it: an interval reaching past the budget says the run cannot tell.
+
+    `quick` (``--quick``): the same figures without a verdict, and one line saying why there
+    is none."""
     lines = []
     for row in rows:
         if row["path"] != "fused" or row["ratio_to_naive"] is None:
             continue
+        low, high = row["ratio_ci95"]
+        figures = (
+            f"fused / naive, {row['framework']} {row['setup']}: {row['ratio_to_naive']:.3f} "
+            f"(95% interval {low:.3f} to {high:.3f}"
+        )
+        if quick:
+            lines.append(f"{figures})")
+            continue
         ok = row["ratio_to_naive"] <= FUSED_BUDGET
         verdict = "[green]within[/]" if ok else "[yellow]over[/]"
-        low, high = row["ratio_ci95"]
-        lines.append(
-            f"fused / naive, {row['framework']} {row['setup']}: {row['ratio_to_naive']:.3f} "
-            f"(95% interval {low:.3f} to {high:.3f}; {verdict} {FUSED_BUDGET})"
-        )
+        lines.append(f"{figures}; {verdict} {FUSED_BUDGET})")
+    if quick and lines:
+        lines.append(QUICK_NO_VERDICT)
     return lines
 
 

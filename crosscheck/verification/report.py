@@ -176,10 +176,7 @@ class VerifyReport:
             measured.append("no precision level fits the gradients' noise")
             numbers = f" ({', '.join(measured)})"
         unran = f"; {failed} could not run (below)" if failed else ""
-        return (
-            f"{who} does NOT match {self.scheme.name} on {cases}{at}{numbers}"
-            f"{unran}."
-        )
+        return f"{who} does NOT match {self.scheme.name} on {cases}{at}{numbers}{unran}."
 
     def sensitivity(self) -> str:
         """The smallest skew of one rank's (microbatch's) weights the run is sure to flag, at
