@@ -295,12 +295,15 @@ def test_a_manifest_without_a_key_or_cut_short_is_named(export: Path, tmp_path: 
 
 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`crosscheck ARGV`, its tables drawn 300 columns wide (COLUMNS): a fixture's path is
+    read whole from a cell, as from a wide log."""
     return subprocess.run(
         [sys.executable, "-m", "crosscheck", *argv],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "COLUMNS": "300"},
     )
 
 

@@ -45,7 +45,7 @@ def bench_command(args: argparse.Namespace, console: Console) -> int:
     print_report(console, run, rows, info)
     if args.json is not None:
         write_report(args.json, run, rows, info)
-        console.print(f"wrote {args.json}")
+        console.print(f"wrote {args.json}", soft_wrap=True)
     if any(row["refused"] for row in rows):
         return exit_codes.MISMATCH
     if run.torch.error or run.jax.error:

@@ -214,9 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     The previous signal handlers and numpy error state are restored on return.
     """
     args = build_parser().parse_args(argv)
-    # Text lines are never wrapped by us (a path or a command stays whole, to copy): the
-    # terminal wraps them; tables are drawn at the width.
-    console = Console(width=output_width(os.environ, sys.stdout.isatty()), soft_wrap=True)
+    console = Console(width=output_width(os.environ, sys.stdout.isatty()))
     # A 0/0 anywhere in the reference is a bug: raise rather than carry a silent NaN. Scoped
     # to the command, so that calling main() from Python leaves the caller's state alone.
     with handle_signals(), np.errstate(divide="raise", invalid="raise"):
@@ -278,7 +276,8 @@ def export(args: argparse.Namespace, console: Console) -> int:
     written = export_vectors(directory, force=args.force)
     console.print(
         f"wrote {len(written.files)} files, {written.num_bytes} bytes; "
-        f"manifest {written.manifest_path}"
+        f"manifest {written.manifest_path}",
+        soft_wrap=True,  # a path stays whole, to copy: the terminal wraps it
     )
     return exit_codes.OK
 

@@ -130,16 +130,32 @@ def _constant(column: list[str]) -> bool:
     return len(set(column)) == 1
 
 
+#: How a cell reads out of its column (the compact table's shared column, a title).
+LABELS = {"R": "R={}", "M": "M={}", "cases": "{} cases each"}
+
+
+def _stated(header: str, value: str) -> str:
+    """A constant column's value, said once: ``impl oracle``, ``R=2``, ``4 cases each``, and a
+    count that names itself as it is (``2 fixtures``)."""
+    if header in LABELS:
+        return LABELS[header].format(value)
+    if value.endswith(f" {PLURALS.get(header, header)}"):
+        return value
+    return f"{header} {value}"
+
+
 def results_table(
     check: str, rows: list[CaseResult], per_case: bool, compact: bool = False
-) -> Table:
-    """One check's rows, grouped (GROUP_BY) or one per case.
+) -> tuple[str, Table]:
+    """One check's rows, grouped (GROUP_BY) or one per case: its heading and its table.
 
     A column with the same cell in every line of a table of several lines is not drawn: its
     value goes under the title once (``impl oracle · strategy closed-form``), and a column of
-    dashes (no deviation from token_mean to show) is dropped. `compact` (for narrow
-    terminals): fixture, scheme, impl and strategy (and R, M, dtype per case) share the first
-    column, the only one that wraps (between names), and the headers take two lines.
+    dashes (no deviation from token_mean to show) is dropped. The heading is text of its own,
+    wrapped at the console's width, not the table's title (a narrow table would fold it).
+    `compact` (for narrow terminals): fixture, scheme, impl and strategy (and R, M, dtype per
+    case) share the first column, the only one that wraps (between names), and the headers
+    take two lines.
     """
     names = [*COLUMNS, *(("R", "M", "dtype") if per_case else ())]
     numbers = [*(() if per_case else ("cases",)), "max rel err", "vs token_mean"]
@@ -169,13 +185,8 @@ def results_table(
     title = CHECK_TITLES.get(check, check)
     if len(lines) > 1:
         constant = [i for i in shown if _constant([line[i] for line in lines])]
-        # "impl oracle", but "2 fixtures" (a count names itself) and "4 cases" alike.
         stated = [
-            lines[0][i]
-            if lines[0][i].endswith(f" {PLURALS.get(headers[i], headers[i])}")
-            else f"{lines[0][i]} cases each"
-            if headers[i] == "cases"
-            else f"{headers[i]} {lines[0][i]}"
+            _stated(headers[i], lines[0][i])
             for i in constant
             if lines[0][i] != "-" and headers[i] != "result"
         ]
@@ -183,7 +194,7 @@ def results_table(
         shown = [i for i in shown if i not in constant or headers[i] == "result"]
         if stated:  # a line of its own, each value a word by itself (to copy, to search)
             title += "\n" + " · ".join(stated)
-    table = Table(title=title, title_justify="left")
+    table = Table()
     named = [i for i in shown if headers[i] in names]
     counted = [i for i in shown if headers[i] not in names]
     if compact and named:
@@ -195,20 +206,11 @@ def results_table(
             table.add_column(headers[i], justify="left" if headers[i] in COLUMNS else "right")
     for line in lines:
         if compact and named:
-            words = [line[i] for i in named]
-            if per_case and "R" in [headers[i] for i in named]:
-                words = [
-                    f"R={line[i]}"
-                    if headers[i] == "R"
-                    else f"M={line[i]}"
-                    if headers[i] == "M"
-                    else line[i]
-                    for i in named
-                ]
+            words = [LABELS.get(headers[i], "{}").format(line[i]) for i in named]
             table.add_row(" ".join(words), *(line[i] for i in counted))
         else:
             table.add_row(*(line[i] for i in shown))
-    return table
+    return title, table
 
 
 #: Each check's line in the one-line-per-family summary (`family_table`).
@@ -272,10 +274,10 @@ def print_results(console: Console, rows: list[CaseResult], layout: str = "group
             by_check.setdefault(row.check, []).append(row)
         per_case = layout == "case"
         for check, group in by_check.items():
-            wide = results_table(check, group, per_case)
-            console.print(
-                fitted(console, wide, lambda c=check, g=group: results_table(c, g, per_case, True))
-            )
+            heading, wide = results_table(check, group, per_case)
+            console.print(heading, markup=False, highlight=False)
+            compact = lambda c=check, g=group: results_table(c, g, per_case, True)[1]  # noqa: E731
+            console.print(fitted(console, wide, compact))
     failures = [r for r in rows if not r.ok]
     for row in failures[:20]:
         verdict = "NOT RUN" if row.not_run else "FAIL"

@@ -123,7 +123,9 @@ def write_verify_report(
             args.plot.parent.mkdir(parents=True, exist_ok=True)  # checked creatable up front
             diagnosis.plot(args.plot, report.step)
             case = f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}"
-            console.print(f"wrote {args.plot} ({case})", markup=False, highlight=False)
+            console.print(
+                f"wrote {args.plot} ({case})", markup=False, highlight=False, soft_wrap=True
+            )
     # The verdict is the last line.
     console.print(f"{'OK' if report.ok else 'FAIL'}   {figures}")
 
