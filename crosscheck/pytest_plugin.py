@@ -152,8 +152,8 @@ def failure_message(report: VerifyReport, json_path: Path | None = None) -> str:
     then the table (one row per fixture and layout) and where the JSON report is."""
     from rich.console import Console
 
-    from crosscheck.cli.report import fitted
     from crosscheck.cli.verify_report import compact_verify_table, verify_table
+    from crosscheck.tables import fitted
 
     out = io.StringIO()
     console = Console(file=out, width=MESSAGE_WIDTH, color_system=None, highlight=False)

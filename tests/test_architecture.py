@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: crosscheck's layers, bottom first; `exit_codes` is a leaf every layer may use.
+#: crosscheck's layers, bottom first; `exit_codes` and `tables` (terminal layout) are leaves
+#: every layer may use.
 LAYERS = (
     "exit_codes",
+    "tables",
     "contract",
     "fixtures",
     "judge",

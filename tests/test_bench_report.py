@@ -71,3 +71,21 @@ def test_a_full_report_judges_fused_against_the_budget():
     assert f"within {FUSED_BUDGET}" in _printed(BenchConfig(), _rows(1.01))
     lines = acceptance_lines(_rows(1.01))
     assert len(lines) == 1 and QUICK_NO_VERDICT not in lines
+
+
+def test_the_bench_table_is_readable_at_80_columns():
+    """At 80 columns (a pipe with COLUMNS unset) the compact layout: no cell cut, every figure
+    whole; a wide console keeps one row per line with the units in the cells."""
+    rows = _rows(1.009)
+    console = Console(file=io.StringIO(), record=True, width=80)
+    print_report(console, BenchRun(BenchConfig()), rows, {"cores": 2})
+    text = console.export_text()
+    assert "\u2026" not in text, text
+    # The table's lines (the sentences after it are not wrapped: a terminal wraps them).
+    drawn = [line for line in text.splitlines() if line[:1] in "┏┃┡│└"]
+    assert drawn and max(len(line) for line in drawn) <= 80, text
+    assert {"torch", "ddp", "(gloo)", "naive", "precount", "fused", "1.009", "0.541"} <= set(
+        text.split()
+    ), text
+    wide = _printed(BenchConfig(), rows)
+    assert "│ torch     │ ddp 2 ranks (gloo) │ fused" in wide, wide

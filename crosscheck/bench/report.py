@@ -17,9 +17,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from crosscheck.bench.config import BenchConfig
 from crosscheck.bench.runner import BenchRun
 from crosscheck.bench.stats import summarize
 from crosscheck.launch.workers import write_atomically
+from crosscheck.tables import fitted
 
 #: The acceptance: fused postnorm may cost at most 2% over naive (median of ratios).
 FUSED_BUDGET = 1.02
@@ -119,25 +121,28 @@ def _mebibytes(value: int | None) -> str:
     return "-" if value is None else f"{value / 2**20:.1f} MiB"
 
 
-def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) -> None:
-    """The table of every row, how memory was measured, the machine, and the acceptance."""
-    config = run.config
+def bench_table(config: BenchConfig, rows: list[dict], compact: bool = False) -> Table:
+    """Every row of the bench. `compact` (for narrow terminals): framework, setup and path
+    share the first column, which wraps between words, and the units move into the headers."""
     table = Table(
         title=f"step time of one update (R ranks x M={config.accum} microbatches of "
         f"{config.rows} x {config.seq_len} tokens per rank, float32; "
         f"{config.rounds} rounds, torch {config.torch_rounds}, after {config.warmup} warm-up)"
     )
-    columns = ("median", "min", "max", "vs naive", "cpu", "cpu vs naive", "peak mem")
-    for column in ("framework", "setup", "path", *columns):
-        table.add_column(
-            column, justify="left" if column in ("framework", "setup", "path") else "right"
-        )
+    names = ("framework", "setup", "path")
+    numbers = ("median", "min", "max", "vs naive", "cpu", "cpu vs naive", "peak mem")
+    units = ("ms", "ms", "ms", "", "ms", "", "MiB")
+    if compact:
+        table.add_column(" ".join(names), overflow="fold")
+        for column, unit in zip(numbers, units, strict=True):
+            header = f"{column}\n{unit}" if unit else "\n".join(column.rsplit(" ", 1))
+            table.add_column(header, justify="right")
+    else:
+        for column in (*names, *numbers):
+            table.add_column(column, justify="left" if column in names else "right")
     for row in rows:
         ratio = "[red]refused[/]" if row["refused"] else _ratio(row["ratio_to_naive"])
-        table.add_row(
-            row["framework"],
-            row["setup"],
-            row["path"],
+        figures = [
             _seconds(row["median_s"]),
             _seconds(row["min_s"]),
             _seconds(row["max_s"]),
@@ -145,12 +150,24 @@ def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) 
             _seconds(row["cpu_median_s"]),
             _ratio(row["cpu_ratio_to_naive"]),
             _mebibytes(row["peak_mem_bytes"]),
-        )
+        ]
+        if compact:  # the unit is in the header
+            figures = [f.removesuffix(" ms").removesuffix(" MiB") for f in figures]
+            table.add_row(f"{row['framework']} {row['setup']} {row['path']}", *figures)
+        else:
+            table.add_row(row["framework"], row["setup"], row["path"], *figures)
     table.caption = (
         f"vs naive: {RATIO_METHOD}. median, min, max: wall time (torch: the slowest rank's); "
         "cpu: CPU time of all ranks (torch: summed over the rank processes; JAX: its process)"
     )
-    console.print(table)
+    return table
+
+
+def print_report(console: Console, run: BenchRun, rows: list[dict], info: dict) -> None:
+    """The table of every row, how memory was measured, the machine, and the acceptance."""
+    config = run.config
+    wide = bench_table(config, rows)
+    console.print(fitted(console, wide, lambda: bench_table(config, rows, compact=True)))
     for row in rows:
         if row["refused"]:
             console.print(

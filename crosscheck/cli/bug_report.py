@@ -20,7 +20,7 @@ from crosscheck.bugs.catalogue_run import (
     CatalogueRun,
 )
 from crosscheck.bugs.objective_catalogue import ObjectiveBugResult
-from crosscheck.cli.report import cuts_a_cell, fitted
+from crosscheck.tables import cuts_a_cell, fitted
 
 OBJECTIVE_TITLE = "multi-term objective bugs: one auxiliary term weighted wrongly, diagnosed"
 

@@ -14,16 +14,14 @@ where the wide one would cut a cell.
 
 from __future__ import annotations
 
-import io
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.measure import Measurement
 from rich.table import Table
 
 from crosscheck import exit_codes
@@ -31,6 +29,7 @@ from crosscheck.contract.cases import Case, CaseResult, RankMetrics, SkippedCase
 from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.judge.compare import RTOL_BY_DTYPE
 from crosscheck.launch.schedule import JobTiming
+from crosscheck.tables import fitted
 
 CHECK_TITLES = {
     "layout-invariance": "oracle: gradient under each layout vs the single-device gradient",
@@ -99,26 +98,6 @@ PLURALS = {"fixture": "fixtures", "scheme": "schemes", "impl": "impls", "strateg
 
 def _collapse(values: set[str], noun: str) -> str:
     return next(iter(values)) if len(values) == 1 else f"{len(values)} {noun}"
-
-
-def cuts_a_cell(console: Console, table: Table) -> bool:
-    """Whether `table` printed on `console` would cut a cell short.
-
-    Two tests, both needed: the table's minimum width (every cell's longest word, borders and
-    padding) must fit the console, or rich squeezes some columns below it (down to nothing,
-    without a mark); and rendered at the console's width it must show no ellipsis.
-    """
-    unbounded = console.options.update_width(10_000)
-    if Measurement.get(console, unbounded, table).minimum > console.width:
-        return True
-    probe = Console(width=console.width, file=io.StringIO(), color_system=None)
-    probe.print(table)
-    return "\u2026" in probe.file.getvalue()
-
-
-def fitted(console: Console, wide: Table, compact: Callable[[], Table]) -> Table:
-    """`wide` where it fits `console` without cutting a cell, else `compact()`."""
-    return compact() if cuts_a_cell(console, wide) else wide
 
 
 def _compact_verdict(verdict: str) -> str:

@@ -19,9 +19,10 @@ from rich.table import Table
 
 from crosscheck import exit_codes
 from crosscheck.cli.outputs import print_error, refuse
-from crosscheck.cli.report import fitted, time_figures
+from crosscheck.cli.report import time_figures
 from crosscheck.diagnosis.verdict import LEVEL_NAMES
 from crosscheck.launch.cpu_time import cpu_seconds
+from crosscheck.tables import fitted
 from crosscheck.verification.verifier import VerifyCase, VerifyReport, verify
 
 
