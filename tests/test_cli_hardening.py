@@ -498,10 +498,15 @@ def test_a_script_without_its_main_guard_is_refused_before_any_process(tmp_path)
     )
     guarded = guarded.replace("\nprint(", "\n    print(")
     (tmp_path / "mysteps.py").write_text("def step(params, apply_fn, batch, mesh):\n    pass\n")
-    (tmp_path / "check.py").write_text(guarded)
-    proc = _script(tmp_path, "check.py")
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "cannot take torch's (model, microbatches[, optimizer])" in proc.stderr.splitlines()[-1]
+    # Any test of __name__ is a guard: a longer condition too (refusing it would be a false
+    # alarm on a correct script).
+    compound = guarded.replace('if __name__ == "__main__":', 'if __name__ == "__main__" and 1:')
+    for script in (guarded, compound):
+        (tmp_path / "check.py").write_text(script)
+        proc = _script(tmp_path, "check.py")
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        last = proc.stderr.splitlines()[-1]
+        assert "cannot take torch's (model, microbatches[, optimizer])" in last, proc.stderr
 
 
 def test_a_rank_that_runs_an_unguarded_script_again_stops_and_says_why(tmp_path):

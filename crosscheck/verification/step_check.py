@@ -68,16 +68,13 @@ _GUARD_ADVICE = (
 
 
 def _is_main_guard(node: ast.stmt) -> bool:
-    """``if __name__ == "__main__":``, either way round."""
-    if not isinstance(node, ast.If) or not isinstance(node.test, ast.Compare):
-        return False
-    test = node.test
-    if len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
-        return False
-    sides = (test.left, test.comparators[0])
-    names = [s.id for s in sides if isinstance(s, ast.Name)]
-    texts = [s.value for s in sides if isinstance(s, ast.Constant)]
-    return names == ["__name__"] and texts == ["__main__"]
+    """An ``if`` whose test reads ``__name__`` (``if __name__ == "__main__":``, either way
+    round, or within a longer condition). Any such test counts as a guard: a check that
+    mistook a real guard for none would refuse a correct script, and the rank's own check
+    (`stop_rerun_in_rank`) still stops a verification that runs again."""
+    return isinstance(node, ast.If) and any(
+        isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test)
+    )
 
 
 def _verify_call_line(tree: ast.Module) -> int | None:
@@ -145,6 +142,8 @@ def unguarded_main_call(what: str) -> str:
     """
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
+    if spec is None and getattr(main, "__file__", None) is None:
+        return ""  # interactive, ``python -c``, a notebook: nothing is imported again
     if spec is not None and spec.name.rpartition(".")[2] == "__main__":
         return ""
     frame = _main_frame("__main__")
