@@ -37,18 +37,37 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ[SESSION_MARKER] = uuid.uuid4().hex
 
 
+#: Where an xdist worker hands its audit to the controller (`config.workeroutput`, which xdist
+#: sends once the worker's session has finished).
+LEAKS_KEY = "gradweight_process_leaks"
+_reported_by_workers: list[str] = []
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session when a process it started outlived its test (see process_audit).
 
     Under pytest-xdist (``make test`` runs ``-n 2``) every worker imports this file, takes a
-    marker of its own and audits its own processes; the controller, which runs no test,
-    audits nothing (its marker is only in the workers' starting environment)."""
-    if session.config.pluginmanager.has_plugin("dsession"):
-        return
-    problems = leaks(os.environ[SESSION_MARKER])
+    marker of its own and audits its own processes, but a worker's exit status does not reach
+    the result: it hands what it found to the controller (`LEAKS_KEY`), which prints it and
+    fails the session. The controller runs no test and starts nothing: it audits no marker."""
+    config = session.config
+    if config.pluginmanager.has_plugin("dsession"):  # the xdist controller
+        problems = list(_reported_by_workers)
+    else:
+        problems = leaks(os.environ[SESSION_MARKER])
+        workeroutput = getattr(config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker
+            workeroutput[LEAKS_KEY] = problems
+            return
     if problems:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
         lines = ["processes left behind by the test session:", *problems]
         if reporter is not None:
             reporter.write_line("\n".join(lines), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent when the suite runs alone
+def pytest_testnodedown(node: object, error: object) -> None:
+    """The controller collects each worker's audit as the worker ends."""
+    _reported_by_workers.extend(getattr(node, "workeroutput", {}).get(LEAKS_KEY, []))
