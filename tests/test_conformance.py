@@ -29,6 +29,8 @@ from crosscheck.conformance.expectations import (
     version_in,
 )
 from crosscheck.conformance.settings import SETTINGS, Setting, find_settings
+from crosscheck.diagnosis.families import FAMILIES
+from crosscheck.diagnosis.patterns import PATTERNS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The versions CI installs: an expectation must cover each runnable setting at them.
@@ -95,6 +97,9 @@ def test_every_expected_failure_cites_its_evidence_and_names_a_pattern():
         if expectation.verdict != "pass":
             assert re.match(r"(issue|documented|contradicts): ", expectation.evidence), expectation
             assert expectation.verdict not in ("unknown", "ambiguous", "error"), expectation
+            # A pattern or family, or the names a setting's layouts cannot tell apart.
+            for name in expectation.verdict.split(" or "):
+                assert name in PATTERNS or name in FAMILIES, expectation
 
 
 def test_every_runnable_setting_has_an_expectation_at_the_pinned_version():

@@ -191,7 +191,9 @@ def markdown(rows: list[Row], skipped: list[tuple[Setting, str]], env: dict, wal
         "(at the precision the update's own arithmetic shows) or the name that explains every "
         "case of the run, a pattern of [bugs.md](bugs.md), a scheme, or a family "
         "(`microbatch-skew`: a factor per microbatch; `scale`: every token alike) with its "
-        "scale; `expected` is what `expectations.toml` records for this version, and "
+        "scale, or the names the setting's layouts cannot tell apart (`microbatch-mean or "
+        "microstep-mean`: at R = 1 they predict one gradient); `expected` is what "
+        "`expectations.toml` records for this version, and "
         "`evidence` the upstream issue or the documentation it agrees with or contradicts. "
         "`crosscheck conformance --frameworks trl` in a framework's own CI fails (exit 1) when "
         "a new version changes a verdict, until the expectation is updated.",

@@ -2,7 +2,8 @@
 
 Each entry names a framework (its distribution), a setting, the versions it holds for
 (``">=1.16,<1.17"``: comma-separated clauses of ``>=``, ``>``, ``<=``, ``<``, ``==``, ``!=``),
-the verdict (``pass``, or the pattern that explains every case, e.g. ``rank-mean``) and, for
+the verdict (``pass``, the pattern that explains every case, e.g. ``rank-mean``, or the names
+the setting's layouts cannot tell apart, ``microbatch-mean or microstep-mean``) and, for
 every expected failure, its evidence: the upstream issue, or the documentation sentence the
 behaviour agrees with or contradicts. A setting run at a version no entry covers has no
 expectation: the row differs until the file records what that version does.

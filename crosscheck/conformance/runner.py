@@ -17,6 +17,7 @@ from importlib import metadata
 
 from crosscheck.conformance.expectations import PASS, Expectation, expectation_for
 from crosscheck.conformance.settings import TIMEOUT_S, Setting
+from crosscheck.diagnosis.naming import AMBIGUOUS
 from crosscheck.verification.verifier import VerifyReport, verify
 
 #: Outcomes of a row. Only DIFFERS and NO_EXPECTATION fail the command (exit 1); COULD_NOT_RUN
@@ -126,8 +127,14 @@ class Row:
 
 
 def verdict_of(report: VerifyReport) -> str:
-    """``pass`` when the intended scheme explains every case, else the run's name for it."""
-    return PASS if report.ok else report.best_match
+    """``pass`` when the intended scheme explains every case, else the run's name for it;
+    where the run's layouts cannot tell several names apart, each of them (``microbatch-mean
+    or microstep-mean``), never a bare "ambiguous" that an expectation could not pin down."""
+    if report.ok:
+        return PASS
+    if report.best_match == AMBIGUOUS:
+        return " or ".join(report.explanations)
+    return report.best_match
 
 
 def _finite(value: float | None) -> float | None:
