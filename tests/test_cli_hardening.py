@@ -8,6 +8,7 @@ Every test asserts the outcome (exit status, files, processes) and the message.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import io
@@ -466,9 +467,9 @@ print(report.message())
 """
 
 
-def _script(tmp_path: Path, name: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _script(tmp_path: Path, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, name], cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -498,15 +499,45 @@ def test_a_script_without_its_main_guard_is_refused_before_any_process(tmp_path)
     )
     guarded = guarded.replace("\nprint(", "\n    print(")
     (tmp_path / "mysteps.py").write_text("def step(params, apply_fn, batch, mesh):\n    pass\n")
-    # Any test of __name__ is a guard: a longer condition too (refusing it would be a false
-    # alarm on a correct script).
+    # Any test of __name__ is a guard: a longer condition too, and one nested in a try
+    # (refusing either would be a false alarm on a correct script); and a launcher that runs
+    # the script (runpy, as coverage does) has frames of its own named __main__, which are not
+    # the script's.
     compound = guarded.replace('if __name__ == "__main__":', 'if __name__ == "__main__" and 1:')
-    for script in (guarded, compound):
+    nested = guarded.replace('if __name__ == "__main__":', 'try:\n  if __name__ == "__main__":')
+    nested += "except KeyboardInterrupt:\n    pass\n"
+    (tmp_path / "launch.py").write_text(
+        "import runpy, sys\nrunpy.run_path(sys.argv[1], run_name='__main__')\n"
+    )
+    for script, command in (
+        (guarded, ["check.py"]),
+        (compound, ["check.py"]),
+        (nested, ["check.py"]),
+        (guarded, ["launch.py", "check.py"]),
+    ):
         (tmp_path / "check.py").write_text(script)
-        proc = _script(tmp_path, "check.py")
+        compile(script, "check.py", "exec")  # the variant is itself valid Python
+        proc = _script(tmp_path, *command)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         last = proc.stderr.splitlines()[-1]
         assert "cannot take torch's (model, microbatches[, optimizer])" in last, proc.stderr
+
+
+def test_a_step_module_that_verifies_at_import_is_found_by_its_first_such_line():
+    """What `check_step` reads in a step module: the first call to crosscheck's verify that
+    runs at import (a class body runs too), never one under a test of __name__ at any depth,
+    inside a function, or through a name that is not crosscheck's."""
+    from crosscheck.verification.step_check import _verify_call_line
+
+    def line(source: str) -> int | None:
+        return _verify_call_line(ast.parse(source))
+
+    assert line("import crosscheck as cc\na = 1\ncc.verify(1)\ncc.verify(2)\n") == 3
+    assert line("from crosscheck import assert_weighting\nclass C:\n  assert_weighting(1)\n") == 3
+    guarded = "import crosscheck\ntry:\n  if __name__ == '__main__':\n    crosscheck.verify(1)\n"
+    assert line(guarded + "except KeyboardInterrupt:\n  pass\n") is None
+    assert line("import crosscheck\ndef main():\n  crosscheck.verify(1)\n") is None
+    assert line("import ssl\nssl.verify(1)\nfrom other import verify\nverify(2)\n") is None
 
 
 def test_a_rank_that_runs_an_unguarded_script_again_stops_and_says_why(tmp_path):

@@ -1,9 +1,13 @@
-"""Whether a ``--step`` exists, found before any process of the harness starts.
+"""Whether a ``--step`` can run, found before any process of the harness starts.
 
-`check_step` refuses a ``MODULE:FUNCTION`` that names no importable module, or a module without
-that callable, with `StepSetupError` (a ValueError): the user's set-up is wrong, and no case
-is run or reported. The user's module is never imported into this process: a plain source
-file is read, anything else is imported in one short, bounded subprocess.
+`check_step` refuses, with `StepSetupError` (a ValueError), a ``MODULE:FUNCTION`` that names
+no importable module or a module without that callable, a plain source file with a syntax
+error, a function whose parameters cannot take the framework's call, and a step module that
+starts a verification when imported: the user's set-up is wrong, and no case is run or
+reported. The user's module is never imported into this process: a plain source file is read,
+anything else is imported in one short, bounded subprocess. `unguarded_main_call` refuses a
+verification started from a script's top level outside its ``__main__`` guard, and
+`stop_rerun_in_rank` stops a rank that starts one anyway.
 """
 
 from __future__ import annotations
@@ -77,20 +81,30 @@ def _is_main_guard(node: ast.stmt) -> bool:
     )
 
 
+def _guarded_at(tree: ast.Module, line: int) -> bool:
+    """Whether `line` lies inside an ``if`` that tests ``__name__`` (`_is_main_guard`), at any
+    depth: under ``try:``, ``with``, another ``if`` as well as at the top level."""
+    return any(
+        _is_main_guard(node) and node.lineno <= line <= (node.end_lineno or node.lineno)
+        for node in ast.walk(tree)
+    )
+
+
 def _verify_call_line(tree: ast.Module) -> int | None:
-    """The line of a call to crosscheck's `verify` or `assert_weighting` that runs when the
-    module is imported: in a top-level statement other than a function or class definition or
-    the ``__main__`` guard, and not inside a function or lambda there. Only calls through a
-    name the module bound to crosscheck (``import crosscheck [as cc]``, ``from crosscheck
-    import verify [as v]``) count: another library's ``verify`` is not ours."""
+    """The first line of a call to crosscheck's `verify` or `assert_weighting` that runs when
+    the module is imported: outside every function and lambda (a class body runs at import)
+    and outside any ``if`` that tests ``__name__``. Only calls through a name the module bound
+    to crosscheck (``import crosscheck [as cc]``, ``from crosscheck import verify [as v]``)
+    count: another library's ``verify`` is not ours."""
     modules, functions = set(), set()
     for node in tree.body:
         if isinstance(node, ast.Import):
             modules |= {a.asname or a.name for a in node.names if a.name == "crosscheck"}
         elif isinstance(node, ast.ImportFrom) and node.module == "crosscheck":
             functions |= {a.asname or a.name for a in node.names if a.name in VERIFY_CALLS}
-    deferred = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
-    pending = [n for n in tree.body if not isinstance(n, deferred) and not _is_main_guard(n)]
+    deferred = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+    pending = [n for n in tree.body if not isinstance(n, deferred)]
+    lines = []
     while pending:
         node = pending.pop()
         if isinstance(node, ast.Call):
@@ -101,32 +115,33 @@ def _verify_call_line(tree: ast.Module) -> int | None:
                 and isinstance(f.value, ast.Name)
                 and f.value.id in modules
             ):
-                return node.lineno
+                lines.append(node.lineno)
         pending.extend(c for c in ast.iter_child_nodes(node) if not isinstance(c, deferred))
+    unguarded = [line for line in lines if not _guarded_at(tree, line)]
+    return min(unguarded) if unguarded else None
+
+
+def _module_frame(module: object) -> Any:
+    """The frame running `module`'s top-level code, if it is on the call stack: the frame whose
+    globals are the module's own namespace (a launcher that runs the script, e.g. coverage's,
+    has frames of its own named ``__main__`` that are not the script's)."""
+    namespace = getattr(module, "__dict__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is namespace:
+            return frame
+        frame = frame.f_back
     return None
 
 
-def _main_frame(name: str) -> Any:
-    """The frame running the top level of the module called `name` (``__main__``, or
-    ``__mp_main__`` while multiprocessing imports the main script again), if one calls us."""
-    frame = sys._getframe(1)
-    found = None
-    while frame is not None:
-        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == name:
-            found = frame
-        frame = frame.f_back
-    return found
-
-
-def _statement_at(path: str, line: int) -> ast.stmt | None:
-    """The top-level statement of the source file `path` that spans `line` (None when the
-    file cannot be read or parsed)."""
+def _guarded_in_file(path: str, line: int) -> bool | None:
+    """Whether `line` of the source file `path` is under a ``__name__`` test (None when the file
+    cannot be read or parsed)."""
     try:
         tree = ast.parse(Path(path).read_bytes(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return None
-    end = lambda n: n.end_lineno or n.lineno  # noqa: E731
-    return next((n for n in tree.body if n.lineno <= line <= end(n)), None)
+    return _guarded_at(tree, line)
 
 
 def unguarded_main_call(what: str) -> str:
@@ -146,12 +161,11 @@ def unguarded_main_call(what: str) -> str:
         return ""  # interactive, ``python -c``, a notebook: nothing is imported again
     if spec is not None and spec.name.rpartition(".")[2] == "__main__":
         return ""
-    frame = _main_frame("__main__")
+    frame = _module_frame(main)
     if frame is None:
         return ""
     path, line = frame.f_code.co_filename, frame.f_lineno
-    statement = _statement_at(path, line)
-    if statement is None or _is_main_guard(statement):
+    if _guarded_in_file(path, line) is not False:  # guarded, or a source it cannot read
         return ""
     return f"{path}:{line}: {what} runs at the top level of the script: {_GUARD_ADVICE}"
 
@@ -162,7 +176,13 @@ def stop_rerun_in_rank(what: str) -> None:
     caller's `unguarded_main_call` could not tell (a script it could not read). The rank must
     not start a verification of its own; the launcher names the exit status `MAIN_RERUN_EXIT`.
     """
-    frame = _main_frame("__mp_main__")
+    # In a rank, multiprocessing runs the script (runpy) in a module named "__mp_main__" that
+    # it has put in sys.modules under that name for the run. In every other process the name
+    # is an alias of __main__ (multiprocessing's import sets it), whose __name__ is "__main__".
+    module = sys.modules.get("__mp_main__")
+    if getattr(module, "__name__", None) != "__mp_main__":
+        return
+    frame = _module_frame(module)
     if frame is None:
         return
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
@@ -366,7 +386,9 @@ def check_step(
     The module is never imported into this process. A top-level module that exists nowhere
     is refused at once; a plain source file that defines the function at top level passes
     without running anything; anything else is imported in one short subprocess (bounded by
-    `timeout_s`). Only a missing module, a missing attribute or a non-callable one is refused:
+    `timeout_s`). A plain source file is also refused for a syntax error, a signature the
+    framework's call cannot bind (for ``--step``) and a verification its import would start;
+    otherwise only a missing module, a missing attribute or a non-callable one is refused:
     a module that raises at import, or a check that cannot finish, is left to the runners,
     which report it per case in their own environment. `option` names what is checked in
     the message (``--model`` and ``--forward`` name callables too).

@@ -191,7 +191,8 @@ def verify(
     model").
 
     Raises ValueError for bad arguments, and `StepSetupError` (a ValueError) when `step`
-    names a module or function that does not exist (`check_step`), before any process starts.
+    cannot run as given (`check_step`) or, in torch, when the call comes from a script's top
+    level outside its ``__main__`` guard (`unguarded_main_call`), before any process starts.
     """
     # A rank importing an unguarded calling script again stops here, before any work.
     stop_rerun_in_rank(_CALL)
