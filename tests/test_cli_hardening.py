@@ -1025,7 +1025,7 @@ def test_every_table_is_readable_at_80_columns():
     # table -> (how it is drawn, the names that must each appear whole: a word of the text)
     drawings = {
         # Grouped rows show a count ("3 impls") where a group spans several names.
-        "run, grouped": (lambda c: print_results(c, rows), set(SCHEMES) & every_name),
+        "run, grouped": (lambda c: print_results(c, rows, "group"), set(SCHEMES) & every_name),
         "run, families": (lambda c: print_results(c, rows, "family"), {"pass", "passed", "rows"}),
         "run, per case": (lambda c: print_results(c, rows, "case"), every_name),
         "skipped": (

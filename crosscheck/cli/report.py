@@ -1,24 +1,26 @@
 """Terminal tables, the JSON report and the per-update JSONL log of a run.
 
-The terminal shows one table per kind of check. By default rows are grouped (vs-oracle rows by
-scheme and implementation, over fixtures, strategies and layouts; see GROUP_BY) with the worst
-error of the group; `--rows case` prints one row per case instead. The JSON holds every row.
-Combinations of the plan that do not run are counted by reason in the summary line, tabulated,
-and listed one by one in the JSON (`skipped`).
+By default the terminal shows one line per family of rows (a kind of check: `family_table`),
+every failure in full, the plan's combinations not run (how many, for how many reasons), the
+time and the verdict, last. `--rows group` prints a table per check instead, rows grouped
+(vs-oracle rows by scheme and implementation, over fixtures, strategies and layouts; see
+GROUP_BY) with the worst error of the group, and the reasons the plan did not run some
+combinations; `--rows case` a row per case. The JSON holds every row and every combination not
+run (`skipped`).
 
 Every table has a compact layout for narrow terminals (80 columns): the names that identify a
 row share one column that wraps between names, never inside one, and the numbers keep their
-own columns. `fitted` prints the wide layout where it fits the console and the compact one
-where the wide one would cut a cell.
+own columns (`crosscheck.tables.fitted` picks the layout that fits).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.markup import escape
@@ -43,6 +45,17 @@ CHECK_TITLES = {
 }
 
 
+#: The checks that compare a layout with another: there an accidental scheme, a local term or
+#: clipping per microbatch is expected to move the result (the others compare with a
+#: reference at the same layout, which every row must match).
+MOVING_CHECKS = ("clipping", "layout-invariance", "world-size-change", "term-layout")
+
+
+def moves_with_layout(row: CaseResult) -> bool:
+    """Whether the contract expects the row to differ between the layouts it compares."""
+    return row.check in MOVING_CHECKS and expects_a_move(row)
+
+
 def expects_a_move(row: CaseResult) -> bool:
     """Whether the row's check may move with the layout, as the contract predicts: an
     accidental scheme, a term normalized more locally than the update
@@ -61,12 +74,7 @@ def _verdict(rows: list[CaseResult]) -> str:
         return "[red]NOT RUN[/]"
     if failed:
         return "[red]FAIL[/]"
-    if rows[0].check in (
-        "clipping",
-        "layout-invariance",
-        "world-size-change",
-        "term-layout",
-    ) and expects_a_move(rows[0]):
+    if moves_with_layout(rows[0]):
         # An accidental scheme moves with the layout, except where the layouts compared split
         # the batch into the same microbatches (microbatch_mean at fixed R x M). Clipping per
         # microbatch moves the update only where a norm exceeds the threshold.
@@ -110,7 +118,7 @@ def _constant(column: list[str]) -> bool:
 
 
 #: How a cell reads out of its column (the compact table's shared column, a title).
-LABELS = {"R": "R={}", "M": "M={}", "cases": "{} cases each"}
+LABELS = {"R": "R={}", "M": "M={}"}
 
 
 def _stated(header: str, value: str) -> str:
@@ -118,6 +126,8 @@ def _stated(header: str, value: str) -> str:
     count that names itself as it is (``2 fixtures``)."""
     if header in LABELS:
         return LABELS[header].format(value)
+    if header == "cases":
+        return f"{value} case each" if value == "1" else f"{value} cases each"
     if value.endswith(f" {PLURALS.get(header, header)}"):
         return value
     return f"{header} {value}"
@@ -219,8 +229,8 @@ def family_table(rows: Sequence[CaseResult]) -> Table:
         by_check.setdefault(row.check, []).append(row)
     for check, group in by_check.items():
         passed = [r for r in group if r.ok]
-        moved = sum(expects_a_move(r) for r in passed)
-        must_match = [r.max_rel_err for r in group if not expects_a_move(r)]
+        moved = sum(moves_with_layout(r) for r in passed)
+        must_match = [r.max_rel_err for r in group if not moves_with_layout(r) and not r.not_run]
         failed = len(group) - len(passed)
         not_run = sum(r.not_run for r in group if not r.ok)
         result = (
@@ -235,13 +245,16 @@ def family_table(rows: Sequence[CaseResult]) -> Table:
             str(len(group)),
             str(len(passed)),
             str(moved),
-            _fmt(max(must_match)) if must_match else "all move",
+            # NaN first: a row that should match and came back NaN is the worst of all.
+            _fmt(max(must_match, key=lambda e: (math.isnan(e), e))) if must_match else "all move",
             result,
         )
     return table
 
 
-def print_results(console: Console, rows: list[CaseResult], layout: str = "group") -> None:
+def print_results(
+    console: Console, rows: list[CaseResult], layout: Literal["family", "group", "case"] = "family"
+) -> None:
     """The run's rows: one line per family (`layout` "family"), a table per check of grouped
     rows ("group") or of single cases ("case"); then every failure, each in full (the first
     20; the JSON holds them all)."""
@@ -372,7 +385,7 @@ def verdict_line(rows: Sequence[CaseResult]) -> str:
         not_run = sum(not r.ok and r.not_run for r in rows)
         could_not = f", {not_run} of them could not run" if not_run else ""
         return f"[red]FAILED[/]: {failed} of {_rows(len(rows))} failed{could_not}"
-    moved = sum(expects_a_move(r) for r in rows)
+    moved = sum(moves_with_layout(r) for r in rows)
     return f"[green]OK[/]: {_rows(len(rows))}, 0 failed ({moved} expected to move with the layout)"
 
 
