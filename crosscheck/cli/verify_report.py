@@ -116,17 +116,21 @@ def write_verify_report(
         args.json.write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
     if getattr(args, "plot", None) is not None:
         diagnosis = report.diagnosis
-        if diagnosis is None or not diagnosis.groups:
+        if diagnosis is None:
             print_error(
                 f"crosscheck verify: --plot {args.plot}: no case was diagnosed, nothing drawn"
             )
         else:
             args.plot.parent.mkdir(parents=True, exist_ok=True)  # checked creatable up front
-            diagnosis.plot(args.plot, report.step)
-            case = f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}"
-            console.print(
-                f"wrote {args.plot} ({case})", markup=False, highlight=False, soft_wrap=True
-            )
+            try:
+                diagnosis.plot(args.plot, report.step)
+            except ValueError as error:  # nothing to draw: say why, keep the verdict
+                print_error(f"crosscheck verify: --plot {args.plot}: {error}")
+            else:
+                case = f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}"
+                console.print(
+                    f"wrote {args.plot} ({case})", markup=False, highlight=False, soft_wrap=True
+                )
     # The verdict is the last line.
     console.print(f"{'OK' if report.ok else 'FAIL'}   {figures}")
 

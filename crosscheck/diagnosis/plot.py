@@ -9,7 +9,8 @@ per-rank or per-microbatch normalization shows as bands at different heights; th
 names the pattern and the weight ratio (largest over smallest of c_g / intended c_g).
 
 matplotlib is imported when a picture is drawn, never at import: it costs every other
-command a second, and it is an optional extra (``pip install 'gradweight[plot]'``).
+command a second, and it is an optional extra (``pip install 'gradweight[plot]'``). The
+picture is drawn on a figure of its own (no pyplot): the caller's backend is left alone.
 """
 
 from __future__ import annotations
@@ -35,21 +36,23 @@ def _title(diagnosis: Any, what: str) -> str:
 
 def plot_diagnosis(diagnosis: Any, path: str | Path, what: str = "") -> Path:
     """Write the PNG of `diagnosis` to `path` and return the path. `what` (a step's name)
-    opens the title. Raises ValueError for a diagnosis without recovered group weights (a
-    gradient that could not be fitted: there is nothing to draw)."""
+    opens the title. Raises ValueError for a diagnosis with nothing to draw: no recovered
+    group weights, or a gradient holding NaN or inf (its weights are not numbers)."""
+    case = f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}"
+    if diagnosis.unusable:
+        raise ValueError(f"{case}: nothing to draw: {diagnosis.unusable}")
     if not diagnosis.groups:
-        raise ValueError(
-            f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}: the "
-            "diagnosis recovered no group weights, so there is nothing to draw"
-        )
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on CI machines: the file is the output
-    import matplotlib.pyplot as plt
+        raise ValueError(f"{case}: the diagnosis recovered no group weights: nothing to draw")
+    # A Figure of its own on the Agg canvas, never pyplot: drawing must not change the
+    # caller's matplotlib backend or leave a figure open (a notebook keeps its own).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     path = Path(path)
     groups = sorted(diagnosis.groups, key=lambda g: (g.rank, g.microbatch, g.row, g.segment))
-    fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
+    fig = Figure(figsize=(10, 4.8), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     start = 0
     unit_start: dict[tuple[int, int], int] = {}
     unit_end: dict[tuple[int, int], int] = {}
@@ -81,14 +84,18 @@ def plot_diagnosis(diagnosis: Any, path: str | Path, what: str = "") -> Path:
             fontsize=8,
         )
     ax.set_xlim(0, start)
-    ax.set_ylim(bottom=0)
+    # Signed weights (signed_row_weight_mean) go below 0: the axis starts at the lowest.
+    lowest = min(0.0, *(min(g.weight, g.intended) for g in groups))
+    ax.set_ylim(bottom=lowest * 1.05 if lowest < 0 else 0)
+    if lowest < 0:
+        ax.axhline(0, color="0.4", linewidth=0.8)
     ax.set_xlabel("valid target tokens, by rank, microbatch and row (a bar: one row's segment)")
     ax.set_ylabel("per-token weight in the update")
     ax.legend(loc="upper right", fontsize=9)
     title = _title(diagnosis, what)
     ax.set_title(title, fontsize=10, pad=18)
     fig.tight_layout()
-    # The title is also the PNG's own Title text: a reader (or a test) finds it without OCR.
-    fig.savefig(path, metadata={"Title": title})
-    plt.close(fig)
+    # Always a PNG, whatever the name ends in; its title is also the PNG's own Title text, so
+    # a reader (or a test) finds it without reading the pixels.
+    fig.savefig(path, format="png", metadata={"Title": title})
     return path
