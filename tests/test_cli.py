@@ -12,6 +12,7 @@ import numpy as np
 from json_keys import RESULT_KEYS
 
 from crosscheck.cli.commands import main
+from crosscheck.cli.outputs import output_width
 from crosscheck.cli.report import FAMILY_NAMES
 
 
@@ -161,3 +162,25 @@ def test_default_lists_are_not_explicit_and_named_ones_are():
     plan = _plan(build_parser().parse_args(["run", "--impls", "oracle", "--accum-steps", "1"]))
     assert plan.explicit == {"impls", "accum_steps"}
     assert plan.world_sizes == [1, 2, 4] and plan.strategies == ["precount", "postnorm"]
+
+
+def test_the_output_width_is_columns_else_the_terminal_else_80(monkeypatch):
+    """COLUMNS where it is a positive number; nothing else ever draws at width 0 or raises."""
+    assert output_width({"COLUMNS": "120"}, isatty=False) == 120
+    assert output_width({"COLUMNS": "120"}, isatty=True) == 120
+    for junk in ("", "0", "-3", "80x", "\u00b2", " "):
+        assert output_width({"COLUMNS": junk}, isatty=False) == 80, junk
+    assert output_width({}, isatty=False) == 80
+    # On a terminal without a usable COLUMNS: stdout's own size.
+    monkeypatch.setattr(
+        "shutil.get_terminal_size", lambda fallback=(80, 24): os.terminal_size((97, 30))
+    )
+    assert output_width({"COLUMNS": "0"}, isatty=True) == 97
+    # A COLUMNS rich itself would take for a number ("\u00b2".isdigit()) and fail to parse.
+    for junk in ("\u00b2", "0"):
+        proc = run_crosscheck(
+            "run", "--impls", "oracle", "--fixtures", "seed", timeout=120, columns=junk
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1].startswith("OK: "), proc.stdout
+        assert max(len(line) for line in proc.stdout.splitlines()) <= 80

@@ -33,6 +33,7 @@ from crosscheck.cli.launched_run import launched_run
 from crosscheck.cli.outputs import (
     check_outputs,
     creatable,
+    output_height,
     output_width,
     plot_problem,
     refuse,
@@ -214,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     The previous signal handlers and numpy error state are restored on return.
     """
     args = build_parser().parse_args(argv)
-    console = Console(width=output_width(os.environ, sys.stdout.isatty()))
+    console = Console(width=output_width(os.environ, sys.stdout.isatty()), height=output_height())
     # A 0/0 anywhere in the reference is a bug: raise rather than carry a silent NaN. Scoped
     # to the command, so that calling main() from Python leaves the caller's state alone.
     with handle_signals(), np.errstate(divide="raise", invalid="raise"):

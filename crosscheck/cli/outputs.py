@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -119,7 +121,13 @@ def refuse(console: Console, line: str) -> int:
 def print_error(line: str) -> None:
     """One line on stderr, whatever the terminal's width (red where stderr is a terminal)."""
     # A console per line: it writes to the sys.stderr of the moment (pytest's capture too).
-    errors = Console(stderr=True, soft_wrap=True, highlight=False)
+    errors = Console(
+        stderr=True,
+        soft_wrap=True,
+        highlight=False,
+        width=output_width(os.environ, sys.stderr.isatty()),
+        height=output_height(),
+    )
     errors.print(f"[red]{escape(line)}[/]")
 
 
@@ -127,14 +135,26 @@ def print_error(line: str) -> None:
 UNKNOWN_WIDTH = 80
 
 
-def output_width(environ: Mapping[str, str], isatty: bool) -> int | None:
-    """The width to draw stdout at: ``COLUMNS`` where set (a pipe's reader, a CI log), the
-    terminal's own (None: rich asks it) on a terminal, and 80 otherwise. Never the width of
-    a terminal the output does not go to (rich would read it from stderr or stdin)."""
-    columns = environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
-        return int(columns)
-    return None if isatty else UNKNOWN_WIDTH
+def output_width(environ: Mapping[str, str], isatty: bool) -> int:
+    """The width to draw stdout at: ``COLUMNS`` where it holds a positive number (a pipe's
+    reader, a CI log), else the terminal's own on a terminal (stdout's: never a terminal the
+    output does not go to), else 80. Always a number: rich, given none, would read a
+    ``COLUMNS`` of 0 as a width of 0 and print nothing."""
+    try:
+        columns = int(environ.get("COLUMNS", "").strip())
+    except ValueError:  # unset, empty, or not a number ("80x", "²")
+        columns = 0
+    if columns > 0:
+        return columns
+    if isatty:
+        return shutil.get_terminal_size((UNKNOWN_WIDTH, 24)).columns
+    return UNKNOWN_WIDTH
+
+
+def output_height() -> int:
+    """The terminal's height (``LINES``, the terminal, else 25): given with the width, it keeps
+    rich from reading ``COLUMNS`` itself (it takes any digit, "²" too, for a number)."""
+    return shutil.get_terminal_size((UNKNOWN_WIDTH, 25)).lines
 
 
 def plot_problem(command: str, plot: Path | None) -> str:
