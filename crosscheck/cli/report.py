@@ -68,12 +68,18 @@ def expects_a_move(row: CaseResult) -> bool:
     return not resolve_scheme(row.scheme).intended
 
 
-def _verdict(rows: list[CaseResult]) -> str:
+def _failed_verdict(rows: Sequence[CaseResult]) -> str:
+    """``NOT RUN`` when every failing row could not be run, ``FAIL`` when some failed, else ""."""
     failed = [r for r in rows if not r.ok]
     if failed and all(r.not_run for r in failed):
         return "[red]NOT RUN[/]"
+    return "[red]FAIL[/]" if failed else ""
+
+
+def _verdict(rows: list[CaseResult]) -> str:
+    failed = _failed_verdict(rows)
     if failed:
-        return "[red]FAIL[/]"
+        return failed
     if moves_with_layout(rows[0]):
         # An accidental scheme moves with the layout, except where the layouts compared split
         # the batch into the same microbatches (microbatch_mean at fixed R x M). Clipping per
@@ -231,15 +237,6 @@ def family_table(rows: Sequence[CaseResult]) -> Table:
         passed = [r for r in group if r.ok]
         moved = sum(moves_with_layout(r) for r in passed)
         must_match = [r.max_rel_err for r in group if not moves_with_layout(r) and not r.not_run]
-        failed = len(group) - len(passed)
-        not_run = sum(r.not_run for r in group if not r.ok)
-        result = (
-            "[green]pass[/]"
-            if not failed
-            else "[red]NOT RUN[/]"
-            if failed == not_run
-            else "[red]FAIL[/]"
-        )
         table.add_row(
             FAMILY_NAMES.get(check, check),
             str(len(group)),
@@ -247,7 +244,7 @@ def family_table(rows: Sequence[CaseResult]) -> Table:
             str(moved),
             # NaN first: a row that should match and came back NaN is the worst of all.
             _fmt(max(must_match, key=lambda e: (math.isnan(e), e))) if must_match else "all move",
-            result,
+            _failed_verdict(group) or "[green]pass[/]",
         )
     return table
 
