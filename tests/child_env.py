@@ -1,4 +1,4 @@
-"""How the tests start the Python processes they check: the environment, and one command.
+"""How the tests start the Python processes they check: the environment, a script, the CLI.
 
 A child imports this checkout (the repository root first on PYTHONPATH, whatever the caller's
 PYTHONPATH says after it) and runs JAX on the CPU only. A zygote and the workers it forks get
@@ -48,3 +48,18 @@ def run_script(script: str, *args: str, env: dict[str, str], timeout: float, wha
         timeout=timeout,
     )
     assert run.returncode == 0, f"{what} failed:\n{run.stderr[-4000:]}"
+
+
+def run_cli(
+    *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`python -m crosscheck ARGV` in a fresh process (from `cwd`, with `env`: the caller's
+    when None), its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "crosscheck", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

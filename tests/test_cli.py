@@ -6,9 +6,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import numpy as np
+from child_env import run_cli
 from json_keys import RESULT_KEYS
 
 from crosscheck.cli.commands import main
@@ -24,13 +24,7 @@ def run_crosscheck(
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     if columns is not None:
         env["COLUMNS"] = columns
-    return subprocess.run(
-        [sys.executable, "-m", "crosscheck", *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
+    return run_cli(*argv, env=env, timeout=timeout)
 
 
 def test_the_main_jobs_output_fits_one_screen_and_ends_with_its_verdict():

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 from case_fields import case_fields
+from child_env import run_cli
 from rich.console import Console
 
 from crosscheck import exit_codes
@@ -63,14 +64,7 @@ ELLIPSIS = "\u2026"
 
 
 def _cli(*argv: str, cwd: Path = ROOT, env: dict | None = None, timeout: float = 120):
-    return subprocess.run(
-        [sys.executable, "-m", "crosscheck", *argv],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_cli(*argv, cwd=cwd, env=env, timeout=timeout)
 
 
 def _main(capsys, *argv: str) -> tuple[int, list[str]]:

@@ -16,11 +16,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import run_cli
 
 from crosscheck.contract.fixture import NPZ_KEYS, Fixture, FixtureError
 from crosscheck.contract.oracle import loss_and_grad
@@ -297,14 +297,7 @@ def test_a_manifest_without_a_key_or_cut_short_is_named(export: Path, tmp_path: 
 def _cli(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """`crosscheck ARGV`, its tables drawn 300 columns wide (COLUMNS): a fixture's path is
     read whole from a cell, as from a wide log."""
-    return subprocess.run(
-        [sys.executable, "-m", "crosscheck", *argv],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "COLUMNS": "300"},
-    )
+    return run_cli(*argv, cwd=cwd, env={**os.environ, "COLUMNS": "300"}, timeout=300)
 
 
 def test_run_verify_and_bugs_take_a_fixture_file_from_the_command_line(tmp_path: Path) -> None:
