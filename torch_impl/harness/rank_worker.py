@@ -149,6 +149,11 @@ def worker(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
         )
+        # Creating the gloo group is no synchronization point: a rank whose side of the mesh
+        # is connected may run a short `fn` and exit while a peer is still connecting to it,
+        # which then fails with "Connection closed by peer" (pytorch#61396). Every rank waits
+        # here until the whole group is up.
+        dist.barrier()
         value = fn(rank, world_size, *args)
         outcome: tuple[bool, Any, str] = (True, value, "")
     except BaseException:
