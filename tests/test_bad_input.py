@@ -32,7 +32,6 @@ from torch_impl.batch import BATCH_KEYS, BatchError, TokenBatch, rank_microbatch
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.harness.launcher import RankFailedError, launch
 from torch_impl.model import BilinearLM
-from torch_impl.schemes import get_scheme
 from torch_impl.update import (
     NonFiniteError as TorchNonFiniteError,
 )
@@ -260,7 +259,7 @@ def _update(
 ) -> float:
     """One token_mean update of `strategy` on this rank; returns D."""
     model, state = _model(params, strategy, rank, world_size)
-    scheme = get_scheme("token_mean")
+    scheme = "token_mean"
     if strategy == "precount":
         done = accumulate_precount(
             model,
@@ -360,7 +359,7 @@ def _late_rank(rank: int, world_size: int, arrays: dict, params: dict):
         accumulate_precount(
             model,
             microbatches,
-            get_scheme("token_mean"),
+            "token_mean",
             vocab_size=V,
             reduce_factor=1.0,
             precheck_timeout_s=1.0,

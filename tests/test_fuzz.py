@@ -220,7 +220,6 @@ def _torch_rank(rank: int, world_size: int, cases: list[tuple[Example, dict, dic
     from torch_impl.batch import rank_microbatches
     from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
     from torch_impl.model import BilinearLM, numpy_grads
-    from torch_impl.schemes import get_scheme
     from torch_impl.update import accumulate_postnorm, accumulate_precount
 
     # Every rank creates every group, in the same order (new_group is collective).
@@ -240,17 +239,16 @@ def _torch_rank(rank: int, world_size: int, cases: list[tuple[Example, dict, dic
                 state = PostnormState(rank=rank, world_size=R, process_group=group)
                 model.register_comm_hook(state, sum_and_carry_hook)
             for scheme_name in INTENDED_SCHEMES:
-                scheme = get_scheme(scheme_name)
                 model.zero_grad(set_to_none=True)
                 if strategy == "precount":
                     # DDP averages over the R ranks of its group: s = R.
                     done = accumulate_precount(
-                        model, microbatches, scheme, vocab_size=vocab_size, reduce_factor=R,
+                        model, microbatches, scheme_name, vocab_size=vocab_size, reduce_factor=R,
                         group=group,
                     )  # fmt: skip
                 else:
                     done = accumulate_postnorm(
-                        model, microbatches, scheme, vocab_size=vocab_size, hook_state=state
+                        model, microbatches, scheme_name, vocab_size=vocab_size, hook_state=state
                     )
                 out[index, strategy, scheme_name] = (numpy_grads(model), done.global_denominator)
     return out

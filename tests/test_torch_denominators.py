@@ -39,12 +39,12 @@ from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.division import divide_exactly
 from torch_impl.harness.cases import RankOutput, UpdateCase, run_cases
 from torch_impl.harness.launcher import launch
+from torch_impl.losses import microbatch_loss, token_losses
 from torch_impl.mean_loss import accumulate_mean_loss
 from torch_impl.model import BilinearLM, numpy_grads
 from torch_impl.optimizers import OptimizerSpec
-from torch_impl.schemes import microbatch_loss, token_losses, weighted_mean
-from torch_impl.schemes import token_mean as torch_token_mean
-from torch_impl.update import accumulate_postnorm
+from torch_impl.spec import DenominatorSpec, get_spec
+from torch_impl.update import accumulate_postnorm, layout_plans
 
 WORLD_SIZE = 2
 #: Each launch must finish within this: the whole module's cases take a few seconds.
@@ -166,8 +166,11 @@ def _postnorm_division(
     fixture = builtin_fixture("dedup-seed")
     batch = {key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS}
     microbatches = rank_microbatches(batch, rank, world_size, 1)
-    normalized = weighted_mean()
-    unnormalized = normalized._replace(name="weighted_sum", fixed_denominator=1.0)
+    normalized = get_spec("weighted_mean")
+    # weighted_mean's a_t over D = 1: the same unnormalized sum, not divided.
+    unnormalized = dataclasses.replace(
+        normalized, denominator=DenominatorSpec(kind="one"), name="weighted_sum"
+    )
     out = {}
     for scheme in (normalized, unnormalized):
         ddp = DistributedDataParallel(BilinearLM.from_numpy(fixture.params(), torch.float32))
@@ -346,18 +349,20 @@ def test_bf16_microbatch_terms_are_float64() -> None:
     fx = builtin_fixture("soft-weights")
     model = BilinearLM.from_numpy(fx.params(), torch.bfloat16)
     batch = {key: np.asarray(getattr(fx, key)) for key in BATCH_KEYS}
-    (microbatch,) = rank_microbatches(batch, 0, 1, 1)
+    ((microbatches, weighted, plan),) = layout_plans("weighted_mean", batch, 1, 1)
+    ((_, counted_view, counted_plan),) = layout_plans("token_mean", batch, 1, 1)
+    (microbatch,) = microbatches
     with torch.no_grad():
         losses = token_losses(model(microbatch.inputs), microbatch.targets)
-        out = microbatch_loss(model, microbatch, weighted_mean(), fx.vocab_size)
-        counted = microbatch_loss(model, microbatch, torch_token_mean(), fx.vocab_size)
+        out = microbatch_loss(model, microbatch, plan.weights[0], fx.vocab_size)
+        counted = microbatch_loss(model, microbatch, counted_plan.weights[0], fx.vocab_size)
     assert losses.dtype == torch.float32  # upcast from the bf16 logits, as HF's logits.float()
-    assert out.weighted_sum.dtype == torch.float64
+    assert plan.weights[0].dtype == torch.float64 and out.weighted_sum.dtype == torch.float64
     # d is computed from the float64 weights alone, in float64: numpy's sum up to summation
     # order (WEIGHT_SUM_RTOL); the count is an int.
     expected_D = numpy_weight_sum(fx)
-    assert abs(out.denominator - expected_D) <= WEIGHT_SUM_RTOL * expected_D
-    assert counted.denominator == float(fx.valid.sum()) and counted.valid_tokens == 138
+    assert abs(weighted.update_share() - expected_D) <= WEIGHT_SUM_RTOL * expected_D
+    assert counted_view.update_share() == float(fx.valid.sum()) and counted.valid_tokens == 138
     # The logged sum is float64 of the float32 losses: summing them in float64 here agrees to
     # float64 rounding of 512 terms (WEIGHT_SUM_RTOL), whatever bf16 did to the logits.
     weights = torch.where(
@@ -383,9 +388,11 @@ def test_bf16_mean_loss_gradient_uses_the_exact_count() -> None:
     mean_model = BilinearLM.from_numpy(fx.params(), torch.bfloat16)
     accumulate_mean_loss(mean_model, [microbatch], vocab_size=fx.vocab_size)
     sum_model = BilinearLM.from_numpy(fx.params(), torch.bfloat16)
-    out = microbatch_loss(sum_model, microbatch, torch_token_mean(), fx.vocab_size)
-    (out.weighted_sum / out.denominator).backward()
-    assert out.denominator == 899.0
+    weights = microbatch.valid.to(torch.float64)  # token_mean's a_t
+    out = microbatch_loss(sum_model, microbatch, weights, fx.vocab_size)
+    denominator = float(microbatch.valid.sum())
+    (out.weighted_sum / denominator).backward()
+    assert denominator == 899.0
     for name, grad in numpy_grads(mean_model).items():
         expected = numpy_grads(sum_model)[name]
         mismatched = int(np.sum(grad != expected))

@@ -20,9 +20,9 @@ from torch_impl.batch import BATCH_KEYS, TokenBatch, rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.harness.cases import UpdateCase, run_cases
 from torch_impl.harness.launcher import LaunchTimeoutError, RankFailedError, launch
+from torch_impl.losses import bilinear_token_losses
 from torch_impl.model import BilinearLM
 from torch_impl.optimizers import OptimizerSpec
-from torch_impl.schemes import token_mean
 from torch_impl.update import accumulate_postnorm
 
 # Starting the fork server (its first import of torch) takes 2-10 s on the 2-core CI machine,
@@ -55,25 +55,25 @@ def _interrupted_update(rank: int, world_size: int, how: str) -> None:
     ddp = DistributedDataParallel(BilinearLM.from_numpy(fixture.params()))
     state = PostnormState(rank=rank, world_size=world_size)
     ddp.register_comm_hook(state, sum_and_carry_hook)
-    scheme = token_mean()
 
-    def weights(batch: TokenBatch) -> torch.Tensor:
+    def losses(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
         if batch.rank == 1 and batch.microbatch == 1:
             if how == "raise":
                 raise RuntimeError("injected failure after microbatch 0's backward")
             if how == "exit":
                 os._exit(3)  # no traceback, no report: as a segfault or an OOM kill would
             time.sleep(600)
-        return scheme.token_weights(batch)
+        return bilinear_token_losses(model, batch)
 
     batch = {key: getattr(fixture, key) for key in BATCH_KEYS}
     microbatches = rank_microbatches(batch, rank, world_size, 2)
     accumulate_postnorm(
         ddp,
         microbatches,
-        scheme._replace(token_weights=weights),
+        "token_mean",
         vocab_size=fixture.vocab_size,
         hook_state=state,
+        per_token_losses=losses,
     )
 
 

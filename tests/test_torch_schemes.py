@@ -1,7 +1,8 @@
 """torch's per-microbatch (sum a_t l_t, d) against the numpy contract, and input validation.
 
 In-process, no process group: every microbatch of every built-in fixture under every layout
-with R, M in 1-4, each intended scheme, compared with crosscheck's token weights and
+with R, M in 1-4, each intended scheme read as torch's own spec (``torch_impl.update``'s plan:
+a_t per microbatch, each rank's share of D), compared with crosscheck's token weights and
 denominators and the oracle's per-token losses. Bad inputs must fail naming the rank,
 microbatch, row and position.
 """
@@ -19,10 +20,11 @@ from crosscheck import BUILTIN_FIXTURES, INTENDED_SCHEMES, builtin_fixture, get_
 from crosscheck.contract.oracle import token_terms
 from torch_impl.batch import BATCH_KEYS, BatchError, rank_microbatches
 from torch_impl.harness.cases import UpdateCase
+from torch_impl.losses import microbatch_loss
 from torch_impl.model import BilinearLM, numpy_params
 from torch_impl.optimizers import OptimizerSpec
-from torch_impl.schemes import constant, microbatch_loss
-from torch_impl.schemes import get_scheme as torch_scheme
+from torch_impl.spec import get_spec
+from torch_impl.update import layout_plans
 
 # float64 throughout: the weights are exact (counts, 1/n, soft weights copied) and the loss
 # sum adds at most a few thousand O(1) terms in a different order: ~1e-13 relative at worst.
@@ -51,36 +53,47 @@ def test_microbatch_terms_match_contract(
     fx = builtin_fixture(fixture)
     model = BilinearLM.from_numpy(fx.params())
     laid_out = fx.layout(world_size, accum_steps)
-    reference, ours = get_scheme(scheme), torch_scheme(scheme)
-    # The numpy spec's a_t, and each microbatch's d: the spec's D at microbatch scope.
+    reference = get_scheme(scheme)
+    # The numpy spec's a_t, each rank's share of D (the spec's D at rank scope) and D.
     a_all = reference.token_weights(laid_out)
-    d_all = replace(reference, scope="microbatch").unit_denominators(laid_out)
-    for rank in range(world_size):
-        for batch in rank_microbatches(_batch(fx), rank, world_size, accum_steps):
+    d_ranks = replace(reference, scope="rank").unit_denominators(laid_out)
+    plans = layout_plans(scheme, _batch(fx), world_size, accum_steps)
+    for rank, (microbatches, view, plan) in enumerate(plans):
+        for batch, weights in zip(microbatches, plan.weights, strict=True):
             where = f"{fixture} R={world_size} M={accum_steps} {batch.where}"
             mb = laid_out.microbatch(rank, batch.microbatch)
             a = a_all[rank, batch.microbatch]
             losses = token_terms(fx.params(), mb.inputs, mb.targets).losses
             expected_sum = math.fsum((a * losses).ravel().tolist())
             with torch.no_grad():
-                out = microbatch_loss(model, batch, ours, fx.vocab_size)
+                out = microbatch_loss(model, batch, weights, fx.vocab_size)
             got = float(out.weighted_sum)
             assert abs(got - expected_sum) <= RTOL * max(abs(expected_sum), 1.0), where
-            np.testing.assert_array_equal(ours.token_weights(batch).numpy(), a, err_msg=where)
-            if ours.fixed_denominator is None:
-                d = d_all[rank * accum_steps + batch.microbatch]
-                assert out.denominator == pytest.approx(d, rel=1e-15)
+            np.testing.assert_array_equal(weights.numpy(), a, err_msg=where)
             assert out.valid_tokens == int(mb.valid.sum())
+        if plan.fixed is None:
+            # Counts are exact; weighted_mean's share is a float sum in another order.
+            assert view.update_share() == pytest.approx(d_ranks[rank], rel=1e-15)
+    D = plans[0][2].denominator([view.update_share() for _, view, _ in plans])
+    assert pytest.approx(reference.global_denominator(laid_out), rel=1e-15) == D
 
 
 def test_fixed_denominators() -> None:
-    assert torch_scheme("sum").fixed_denominator == 1.0
-    assert torch_scheme("constant").fixed_denominator is None  # D = N T from the d's
-    assert constant(4096.0).fixed_denominator == 4096.0
-    with pytest.raises(ValueError, match="must be > 0"):
-        constant(0.0)
-    with pytest.raises(ValueError, match="unknown scheme 'rank_mean'"):
-        torch_scheme("rank_mean")
+    batch = _batch(builtin_fixture("packed"))
+
+    def denominator(name: str) -> float:
+        plans = layout_plans(name, batch, 2, 2)
+        return plans[0][2].denominator([view.update_share() for _, view, _ in plans])
+
+    assert denominator("sum") == 1.0
+    assert (
+        denominator("constant") == 8 * 64
+    )  # slots: every target position of the batch, padding too
+    assert denominator("constant:4096") == 4096.0
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        get_spec("constant:0")
+    with pytest.raises(ValueError, match="unknown spec 'rank-mean'"):
+        get_spec("rank-mean")
 
 
 def test_model_round_trips_params_and_names() -> None:
@@ -140,7 +153,7 @@ def test_bad_input_names_rank_microbatch_row_position(change: dict, message: str
     with pytest.raises(BatchError) as failure:
         for rank in range(2):
             for mb in rank_microbatches(batch, rank, 2, 2):
-                microbatch_loss(model, mb, torch_scheme("token_mean"), 40)
+                microbatch_loss(model, mb, mb.valid.to(torch.float64), 40)
     assert message in str(failure.value)
 
 

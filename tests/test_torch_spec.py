@@ -1,15 +1,16 @@
 """torch's reading of scheme specs (contract v2): parser, weights, and real DDP/FSDP2 updates.
 
 In-process: the parser's defaults and messages; every rank's c_t = a_t / D_u / K
-(``torch_impl.spec_update.layout_weights``, the ranks' own code with the pre-pass summed by
+(``torch_impl.update.layout_weights``, the ranks' own code with the pre-pass summed by
 hand) against the numpy oracle (``crosscheck.contract.spec``) and against weights worked out
 by hand on a small batch built for the traps (a group over 2 ranks and 2 microbatches, a
 document across a row and a microbatch boundary, a fully masked row, signed row weights);
 layout invariance of every update-scope spec.
 
-Multi-process (one gloo launch per world size, R in {1, 2, 4}, every case in it): the spec
-forms of the v1 schemes give the v1 path's gradients; every trainer mode and scope variant
-gives the oracle's gradient, under DDP with precount and postnorm and under FSDP2 (precount).
+Multi-process (one gloo launch per world size, R in {1, 2, 4}, every case in it): v1's names
+give the oracle's gradient, the accidental ones the mean-loss loop's and constant:C sum's over
+C; every trainer mode and scope variant gives the oracle's gradient, under DDP with precount
+and postnorm and under FSDP2 (precount).
 """
 
 from __future__ import annotations
@@ -30,12 +31,11 @@ from crosscheck.contract.spec import get_spec as oracle_spec
 from crosscheck.contract.spec_catalogue import known_spec_names
 from crosscheck.judge.compare import assert_tree_close
 from torch_impl.batch import BatchError, rank_microbatches
-from torch_impl.harness.cases import UpdateCase
+from torch_impl.harness.cases import UpdateCase, run_cases
 from torch_impl.harness.launcher import launch
-from torch_impl.harness.spec_cases import SpecCase, SpecOutput, run_mixed_cases
 from torch_impl.optimizers import OptimizerSpec
 from torch_impl.spec import NAMED_SPECS, DenominatorSpec, SchemeSpec, WeightSpec, get_spec
-from torch_impl.spec_update import layout_weights
+from torch_impl.update import layout_weights
 
 # float64 throughout. Weights: the same counts, reciprocals and soft factors on both sides,
 # summed in another order (D of a weight or power sum over <= 1000 terms): ~1e-15 relative.
@@ -350,29 +350,19 @@ PROCESS_GRID = [
 FSDP_SPECS = ["group_token_mean", "document_mean", "length_power:0.5", "rank_mean", PROCESS_GRID[1]]
 
 
-def _spec_case(fx: Fixture, label: str, spec, M: int, strategy: str, **kw) -> SpecCase:
-    return SpecCase(
-        label=label,
-        batch=batch_of(fx),
-        params=fx.params(),
-        spec=spec,
-        strategy=strategy,
-        accum_steps=M,
-        **kw,
-    )
-
-
-def _v1_case(fx: Fixture, label: str, scheme: str, M: int, strategy: str) -> UpdateCase:
+def _spec_case(fx: Fixture, label: str, spec, M: int, strategy: str, **kw) -> UpdateCase:
+    """One update of `spec` (or the mean-loss loop), its reduced gradient before the step."""
     return UpdateCase(
         label=label,
         batch=batch_of(fx),
         params=fx.params(),
-        scheme=scheme,
+        scheme=spec,
         strategy=strategy,
         accum_steps=M,
         optimizer=SGD,
         num_updates=1,
         max_grad_norm=None,
+        **kw,
     )
 
 
@@ -385,12 +375,8 @@ def cases_for(R: int) -> list:
     for name in V1_FIXTURES:
         fx = builtin_fixture(name)
         for M in (M for M in ACCUM_STEPS if fx.num_rows % (R * M) == 0):
-            cases.append(_v1_case(fx, f"v1-{name}-{M}-mean_loss", "token_mean", M, "mean_loss"))
+            cases.append(_spec_case(fx, f"v1-{name}-{M}-mean_loss", "token_mean", M, "mean_loss"))
             for strategy in STRATEGIES:
-                for scheme in V1_SCHEMES:
-                    cases.append(
-                        _v1_case(fx, f"v1-{name}-{M}-{scheme}-{strategy}", scheme, M, strategy)
-                    )
                 for spec in (
                     *V1_SCHEMES,
                     f"constant:{CONFIGURED:g}",
@@ -442,7 +428,7 @@ def cases_for(R: int) -> list:
 def world(R: int) -> dict[str, list]:
     """label -> every rank's output, for every case of `cases_for(R)` (one launch)."""
     cases = cases_for(R)
-    per_rank = launch(run_mixed_cases, R, (cases,), timeout_s=LAUNCH_TIMEOUT_S)
+    per_rank = launch(run_cases, R, (cases,), timeout_s=LAUNCH_TIMEOUT_S)
     return {case.label: [outputs[i] for outputs in per_rank] for i, case in enumerate(cases)}
 
 
@@ -456,12 +442,14 @@ def oracle_grad(fixture: str, spec_key: str, R: int, M: int):
 
 
 def _grads(outputs: list) -> list[dict[str, np.ndarray]]:
-    return [o.grads if isinstance(o, SpecOutput) else o.updates[0].grads for o in outputs]
+    return [o.updates[0].grads for o in outputs]
 
 
 @pytest.mark.parametrize("R", WORLD_SIZES)
-def test_v1_specs_give_the_v1_paths_gradients(R: int) -> None:
-    """Spec forms of v1's schemes against torch_impl.schemes (and the mean-loss loop)."""
+def test_v1_names_give_the_oracle_and_the_mean_loss_loops_gradients(R: int) -> None:
+    """v1's names read as specs: the oracle's gradient (until v1's own torch path was folded
+    into the spec, this test held the two torch paths to each other); the accidental ones
+    the mean-loss loop's, and constant:C sum's over C."""
     results, checked = world(R), 0
     for name in V1_FIXTURES:
         fx = builtin_fixture(name)
@@ -470,15 +458,13 @@ def test_v1_specs_give_the_v1_paths_gradients(R: int) -> None:
             for strategy in STRATEGIES:
                 prefix = f"spec-{name}-{M}"
                 for scheme in V1_SCHEMES:
-                    v1 = _grads(results[f"v1-{name}-{M}-{scheme}-{strategy}"])
-                    for got, want in zip(
-                        _grads(results[f"{prefix}-{scheme}-{strategy}"]), v1, strict=True
-                    ):
+                    want = oracle_grad(name, scheme, R, M)
+                    for got in _grads(results[f"{prefix}-{scheme}-{strategy}"]):
                         assert_tree_close(
                             got, want, RTOL, f"R={R} {name} M={M} {scheme} {strategy}"
                         )
-                # constant:C is sum's gradient over C (the v1 path runs constant:C in verify).
-                summed = _grads(results[f"v1-{name}-{M}-sum-{strategy}"])
+                # constant:C is sum's gradient over C.
+                summed = _grads(results[f"{prefix}-sum-{strategy}"])
                 for got, want in zip(
                     _grads(results[f"{prefix}-constant:{CONFIGURED:g}-{strategy}"]),
                     summed,
@@ -521,7 +507,7 @@ def test_fsdp2_precount_gives_the_oracle_gradient(R: int) -> None:
         assert {o.reduce_factor for o in outputs} == {1.0 if divide else float(R)}
         want = weighted_grad(fx.params(), fx.inputs, fx.targets, oracle_weights(spec, fx, R, 2))
         for o in outputs:
-            assert_tree_close(o.grads, want, RTOL, f"R={R} FSDP2 divide={divide} {spec}")
+            assert_tree_close(o.updates[0].grads, want, RTOL, f"R={R} FSDP2 divide={divide} {spec}")
 
 
 @pytest.mark.parametrize("R", (2, 4))
@@ -533,7 +519,8 @@ def test_ranks_agree_on_id_bounds_when_not_given(R: int) -> None:
         fx = builtin_fixture(name)
         want = weighted_grad(fx.params(), fx.inputs, fx.targets, oracle_weights(spec, fx, R, 2))
         for o in results[f"agree-{name}-{strategy}"]:
-            assert_tree_close(o.grads, want, RTOL, f"R={R} {name} {spec} {strategy} agreed")
+            what = f"R={R} {name} {spec} {strategy} agreed"
+            assert_tree_close(o.updates[0].grads, want, RTOL, what)
 
 
 def test_hand_batch_in_processes() -> None:
@@ -543,10 +530,100 @@ def test_hand_batch_in_processes() -> None:
     for case, strategy in itertools.product(HAND, STRATEGIES):
         want = weighted_grad(fx.params(), fx.inputs, fx.targets, hand_weights(HAND[case][1]))
         for o in results[f"hand-{case}-{strategy}"]:
-            assert_tree_close(o.grads, want, RTOL, f"hand {case} {strategy} rank {o.rank}")
+            got = o.updates[0]
+            assert_tree_close(got.grads, want, RTOL, f"hand {case} {strategy} rank {o.rank}")
             if case in expected_D:
-                assert o.accumulated.unit_denominators == pytest.approx(expected_D[case], rel=1e-15)
-    rank_mean = results["hand-rank_mean-precount"]
+                assert got.metrics.unit_denominators == pytest.approx(expected_D[case], rel=1e-15)
+    rank_mean = [o.updates[0].metrics for o in results["hand-rank_mean-precount"]]
     # Scope rank: each rank's own D (13 and 11 valid tokens), K = 2.
-    assert [o.accumulated.unit_denominators for o in rank_mean] == [(13.0,), (11.0,)]
-    assert {o.accumulated.num_units for o in rank_mean} == {2}
+    assert [m.unit_denominators for m in rank_mean] == [(13.0,), (11.0,)]
+    assert {m.num_units for m in rank_mean} == {2}
+
+
+#: Specs whose counts span ranks (a pre-pass on resume too) or are local to a unit.
+RESUME_SPECS = ("group_token_mean", "document_mean", "rank_mean", "length_power:0.5")
+
+
+def _finish(model, state, strategy: str, microbatches, spec, resume=None):
+    """The rest of an update (all of it without `resume`) under `strategy`; DDP averages, so
+    precount's s is R."""
+    import torch.distributed as dist
+
+    from torch_impl.update import accumulate_postnorm, accumulate_precount
+
+    if strategy == "precount":
+        return accumulate_precount(
+            model, microbatches, spec, vocab_size=40, reduce_factor=dist.get_world_size(),
+            resume=resume,
+        )  # fmt: skip
+    return accumulate_postnorm(
+        model, microbatches, spec, vocab_size=40, hook_state=state, resume=resume
+    )
+
+
+def _window_resume(rank: int, world_size: int, batch: dict, params: dict) -> dict:
+    """Every RESUME_SPECS x strategy at M = 4, stopped after 2 microbatches and resumed in the
+    same process from the partial state and the local .grad, next to the update uninterrupted;
+    and a precount resume handed another batch. Returns what each rank saw."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
+    from torch_impl.model import BilinearLM, numpy_grads
+    from torch_impl.partial import ResumeMismatchError
+    from torch_impl.update import accumulate_partial
+
+    assert int(params["embed"].shape[0]) == 40  # _finish's vocabulary
+    microbatches = rank_microbatches(batch, rank, world_size, 4)
+    out: dict = {}
+    for strategy in STRATEGIES:
+        model = DistributedDataParallel(BilinearLM.from_numpy(params))
+        state = None
+        if strategy == "postnorm":
+            state = PostnormState(rank=rank, world_size=world_size)
+            model.register_comm_hook(state, sum_and_carry_hook)
+        for spec in RESUME_SPECS:
+            model.zero_grad(set_to_none=True)
+            whole = _finish(model, state, strategy, microbatches, spec)
+            uninterrupted = numpy_grads(model)
+            model.zero_grad(set_to_none=True)
+            partial = accumulate_partial(
+                model, microbatches, spec, strategy=strategy, vocab_size=40,
+                num_microbatches=2, reduce_factor=world_size,
+            )  # fmt: skip
+            resumed = _finish(model, state, strategy, microbatches, spec, partial)
+            out[spec, strategy] = (uninterrupted, numpy_grads(model), whole, resumed)
+    # precount: a resume whose batch now counts differently is refused on every rank.
+    model = DistributedDataParallel(BilinearLM.from_numpy(params))
+    partial = accumulate_partial(
+        model, microbatches, "token_mean", strategy="precount", vocab_size=40,
+        num_microbatches=2, reduce_factor=world_size,
+    )  # fmt: skip
+    other = dict(batch, targets=np.where(batch["targets"] == 3, -100, batch["targets"]))
+    changed = rank_microbatches(other, rank, world_size, 4)
+    try:
+        _finish(model, None, "precount", changed, "token_mean", partial)
+        out["mismatch"] = None
+    except ResumeMismatchError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def test_every_spec_resumes_inside_its_accumulation_window() -> None:
+    """A spec update stopped after 2 of 4 microbatches and resumed from its partial state is
+    the uninterrupted update bit for bit (the plan, pre-pass included, is recomputed from the
+    labels), under precount and postnorm; precount refuses a batch that changed."""
+    fx = builtin_fixture("rollouts")
+    batch = batch_of(fx)
+    per_rank = launch(_window_resume, 2, (batch, fx.params()), timeout_s=LAUNCH_TIMEOUT_S)
+    for rank, out in enumerate(per_rank):
+        for spec, strategy in itertools.product(RESUME_SPECS, STRATEGIES):
+            uninterrupted, resumed, whole, again = out[spec, strategy]
+            for key, grad in uninterrupted.items():
+                assert np.array_equal(resumed[key], grad), f"rank {rank} {spec} {strategy} {key}"
+            assert again == whole, f"rank {rank} {spec} {strategy}: {again} != {whole}"
+        # And the resumed gradient is the oracle's (not merely equal to a shared mistake).
+        want = weighted_grad(
+            fx.params(), fx.inputs, fx.targets, oracle_weights("group_token_mean", fx, 2, 4)
+        )
+        assert_tree_close(out["group_token_mean", "postnorm"][1], want, RTOL, f"rank {rank}")
+        assert "the resumed update does not see the batch it started on" in out["mismatch"]

@@ -61,7 +61,7 @@ RTOL = 1e-12
 WORLD_SIZES = (1, 2, 4)
 ACCUM_STEPS = (1, 2)
 STRATEGIES = ("precount", "postnorm")
-#: (fixture, scheme, is a spec): the group mean is contract v2's, read through the spec path.
+#: (fixture, scheme spec, with contract v2's row fields): the group mean reads group_ids.
 CASES = (
     ("packed", "token_mean", False),
     ("packed", "sequence_mean", False),
@@ -106,13 +106,12 @@ def world_outputs(world_size: int) -> tuple[list[TransformerOutput], ...]:
     cases = [
         TransformerCase(
             label=_label(fixture, scheme, M, strategy),
-            batch=_global_batch(fixture, spec),
+            batch=_global_batch(fixture, row_fields),
             scheme=scheme,
             strategy=strategy,
             accum_steps=M,
-            spec=spec,
         )
-        for fixture, scheme, spec in CASES
+        for fixture, scheme, row_fields in CASES
         for M in ACCUM_STEPS
         for strategy in STRATEGIES
     ]

@@ -1,8 +1,8 @@
 """Dividing a gradient by the global denominator D without rounding D.
 
 postnorm backpropagates the unnormalized sum and divides by D once every rank's d is known
-(``torch_impl.update.accumulate_postnorm``, ``torch_impl.spec_update``): G / D, one
-correctly rounded quotient per entry, with D the exact float64 sum of the ranks' d.
+(``torch_impl.update.accumulate_postnorm``): G / D, one correctly rounded quotient per entry,
+with D the exact float64 sum of the ranks' d.
 
 On a GPU the divisor is a 0-dim tensor on the gradient's device, not the Python float: CUDA's
 ``div_`` by a CPU scalar computes ``a * (1 / b)`` ("may lose one bit of precision compared to
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-from torch_impl.schemes import accumulation_dtype
+from torch_impl.losses import accumulation_dtype
 
 
 def divide_exactly(grad: torch.Tensor, D: float) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,18 @@ class NonFiniteError(FloatingPointError):
 def _validate(microbatches: Sequence[TokenBatch], vocab_size: int) -> None:
     for batch in microbatches:
         batch.validate(vocab_size)
+
+
+def bounded_all_reduce(
+    tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None, timeout_s: float, late: str
+) -> None:
+    """all_reduce `tensor` in place, waiting at most `timeout_s` for every rank; past it a
+    TimeoutError says "rank r: `late`"."""
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise TimeoutError(f"rank {dist.get_rank(group)}: {late}") from exc
 
 
 def precheck(
@@ -82,14 +95,14 @@ def precheck(
     status = torch.zeros(world_size, 2, dtype=torch.float64)
     status[rank, 0] = len(microbatches)
     status[rank, 1] = 0.0 if error is None else 1.0
-    work = dist.all_reduce(status, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
-        raise TimeoutError(
-            f"rank {rank}: not every one of the {world_size} ranks reached the start of this "
-            f"update within {timeout_s:g} s (a rank that failed, hangs, or runs fewer updates)"
-        ) from exc
+    bounded_all_reduce(
+        status,
+        dist.ReduceOp.SUM,
+        group,
+        timeout_s,
+        f"not every one of the {world_size} ranks reached the start of this update within "
+        f"{timeout_s:g} s (a rank that failed, hangs, or runs fewer updates)",
+    )
     counts = [int(count) for count in status[:, 0].tolist()]
     bad = [r for r, flag in enumerate(status[:, 1].tolist()) if flag]
     if bad:

@@ -9,7 +9,7 @@ For token t with input :math:`x_t`,
 with :math:`E` = ``embed`` [V, H] and :math:`U` = ``unembed`` [H, V]: the same parameter names
 and shapes as the numpy oracle and the Flax model, so one set of numpy params drives all three.
 The loss (cross-entropy of :math:`z_t` against the target, float32 at least) lives in
-``torch_impl.schemes.token_losses``.
+``torch_impl.losses.token_losses``.
 """
 
 from __future__ import annotations

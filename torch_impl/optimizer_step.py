@@ -9,15 +9,14 @@ never take a bf16 or float32 rounding. `metrics` is the update's record on one r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from torch_impl.losses import accumulation_dtype
 from torch_impl.model import _full
-from torch_impl.schemes import WeightingScheme, accumulation_dtype
-from torch_impl.update import Accumulated, over_or_zero
+from torch_impl.update import Accumulated
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,10 +32,13 @@ class UpdateMetrics:
     rank_valid_tokens: tuple[int, ...]
     #: sum_t a_t l_t of every rank over its M microbatches, [R].
     rank_loss_sums: tuple[float, ...]
-    #: sum of d of every rank over its M microbatches, [R].
+    #: Every rank's share of D (scope update, D additive over ranks); 0 otherwise, [R].
     rank_denominators: tuple[float, ...]
-    #: D for the update.
+    #: What the summed gradient is divided by: D (scope update) or K (local scopes).
     global_denominator: float
+    #: K: units of the spec's scope (1, R or R M), and D of this rank's units.
+    num_units: int
+    unit_denominators: tuple[float, ...]
     #: L = sum of the loss sums / D (0 when D = 0: no token carries weight).
     objective: float
     #: Global L2 norm of the reduced gradient, before and after clipping.
@@ -105,24 +107,24 @@ def metrics(
     *,
     rank: int,
     accum_steps: int,
-    scheme: WeightingScheme,
     strategy: str,
     grad_norm: float,
     clipped_grad_norm: float,
 ) -> UpdateMetrics:
     """The per-update record of one rank."""
-    D = accumulated.global_denominator
     return UpdateMetrics(
         rank=rank,
         world_size=len(accumulated.rank_valid_tokens),
         accum_steps=accum_steps,
-        scheme=scheme.name,
+        scheme=accumulated.spec,
         strategy=strategy,
         rank_valid_tokens=accumulated.rank_valid_tokens,
         rank_loss_sums=accumulated.rank_loss_sums,
         rank_denominators=accumulated.rank_denominators,
-        global_denominator=D,
-        objective=over_or_zero(math.fsum(accumulated.rank_loss_sums), D),
+        global_denominator=accumulated.global_denominator,
+        num_units=accumulated.num_units,
+        unit_denominators=accumulated.unit_denominators,
+        objective=accumulated.objective,
         grad_norm=grad_norm,
         clipped_grad_norm=clipped_grad_norm,
     )

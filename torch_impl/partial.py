@@ -29,8 +29,10 @@ class PartialAccumulation:
 
     strategy: Strategy
     microbatches_done: int
-    #: This rank's sums over the microbatches done: d, sum of a_t l_t, valid targets. postnorm
-    #: needs them to carry the update's totals in its last all-reduce.
+    #: This rank's sums over the microbatches done: its share of D, sum of a_t l_t, valid
+    #: targets; postnorm's last all-reduce carries the update's totals. The share rides on a
+    #: rank's last microbatch (``update.plan_update``), so a partial window holds 0 of it: a
+    #: resumed update recomputes the share from the labels, as it recomputes its plan.
     local_denominator: float = 0.0
     local_loss_sum: float = 0.0
     local_valid_tokens: int = 0

@@ -17,7 +17,7 @@ of the scope U (K = 1, R or R M units). Its JSON form, every key defaulted (``{}
      "scope": U}
 
 This module only reads and checks it: ``torch_impl.spec_counts`` computes a_t and D_u, and
-``torch_impl.spec_update`` runs an update with them. Written for torch from the doc, not from
+``torch_impl.update`` runs an update with them. Written for torch from the doc, not from
 the numpy oracle: the implementations are checked against each other.
 """
 

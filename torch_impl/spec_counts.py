@@ -9,7 +9,7 @@ into a vector indexed by id:
 * ``none`` (id 0), ``rank`` (r), ``microbatch`` (r M + m), ``group`` (``group_ids``) and
   ``document`` (``document_ids``) get global ids, and a count at scope ``rank`` is the sum of
   the rank's microbatch vectors; at scope ``update`` it is that sum over every rank, which one
-  all-reduce of the rank's vector gives (the count pre-pass, ``torch_impl.spec_update``).
+  all-reduce of the rank's vector gives (the count pre-pass, ``torch_impl.update``).
   Vector lengths are agreed before the step (`IdBounds`: the largest id + 1).
 
 Without ``group_ids`` each row is its own group and without ``document_ids`` each (row,

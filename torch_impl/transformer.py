@@ -210,7 +210,7 @@ def token_losses(
 
 def microbatch_token_losses(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
     """`token_losses` of one microbatch: the ``per_token_losses`` an update step takes
-    (``torch_impl.update``, ``torch_impl.spec_update``) to train this model."""
+    (``torch_impl.update``) to train this model."""
     return token_losses(model, batch.inputs, batch.targets, batch.segment_ids)
 
 

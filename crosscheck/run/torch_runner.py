@@ -36,11 +36,10 @@ from crosscheck.contract.cases import (
     ResumeOutput,
     TrainSettings,
 )
-from crosscheck.contract.fixture import BATCH_KEYS
-from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import launch_each, launchable
-from crosscheck.run.torch_spec_cases import is_spec_case, spec_case, spec_output
+from crosscheck.launch.workers import launch_arrays, launch_each, launchable
 
 IMPLS: dict[str, str] = {"torch-ddp": "ddp", "torch-fsdp2": "fsdp2"}
 #: The params' dtypes of torch_impl.harness.cases.DTYPES (repeated so that choosing cases does not
@@ -67,7 +66,7 @@ def why_unsupported(case: Case) -> str:
         return "torch-fsdp2 runs precount only (the accidental schemes' loop runs on torch-ddp)"
     if case.scheme == "rank_mean" and case.accum_steps != 1:
         return "the torch mean-loss loop is rank_mean only at M = 1 (at M > 1 microbatch_mean)"
-    if is_spec_case(case) and case.dtype != "float64":
+    if case.scheme not in V1_SCHEMES and case.dtype != "float64":
         return "the matrix runs trainer modes (scheme specs) in float64"
     return ""
 
@@ -82,13 +81,14 @@ def _update_case(case: Case | ResumeCase, settings: TrainSettings, accum_steps: 
     from torch_impl.harness.cases import UpdateCase
     from torch_impl.optimizers import OptimizerSpec
 
-    fixture = builtin_fixture(case.fixture)
     accidental = case.scheme in ("rank_mean", "microbatch_mean")
+    batch, params = launch_arrays(case.fixture)
     return UpdateCase(
         label=case.describe(),
-        batch={key: np.asarray(getattr(fixture, key)) for key in BATCH_KEYS},
-        params=fixture.params(),
-        scheme="token_mean" if accidental else case.scheme,
+        batch=batch,
+        params=params,
+        # The spec itself, in its JSON form: torch_impl reads it with its own parser.
+        scheme="token_mean" if accidental else resolve_scheme(case.scheme).to_dict(),
         strategy="mean_loss" if accidental else case.strategy,
         accum_steps=case.accum_steps if accum_steps is None else accum_steps,
         optimizer=OptimizerSpec(**settings.optimizer_spec()),
@@ -134,21 +134,15 @@ def _case_output(case: Case, per_rank: list) -> CaseOutput:
 def _run_world(
     cases: list[Case], settings: TrainSettings, on_done: OnDone, world_size: int
 ) -> None:
-    """One launch of `world_size` ranks runs every case of that size, v1's and spec cases."""
-    from torch_impl.harness.spec_cases import run_mixed_cases
+    """One launch of `world_size` ranks runs every case of that size."""
+    from torch_impl.harness.cases import run_cases
 
     outcomes = launch_each(
-        run_mixed_cases,
+        run_cases,
         world_size,
         cases,
-        lambda case: (
-            spec_case(case, IMPLS[case.impl])
-            if is_spec_case(case)
-            else _update_case(case, settings)
-        ),
-        lambda case, per_rank: (
-            spec_output(case, per_rank) if is_spec_case(case) else _case_output(case, per_rank)
-        ),
+        lambda case: _update_case(case, settings),
+        _case_output,
         timeout_s=LAUNCH_TIMEOUT_S,
         collective_timeout_s=COLLECTIVE_TIMEOUT_S,
     )

@@ -17,7 +17,7 @@ resumed run's params can be compared with an uninterrupted run's (``torch_impl.c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,7 +38,8 @@ from torch_impl.optimizers import OptimizerSpec, make_optimizer
 from torch_impl.partial import PartialAccumulation
 from torch_impl.probe import ReductionPath, probe_ddp, probe_reduction
 from torch_impl.resume import load_checkpoint, restore
-from torch_impl.schemes import WeightingScheme, get_scheme
+from torch_impl.spec import get_spec
+from torch_impl.spec_counts import IdBounds
 from torch_impl.update import accumulate_partial, accumulate_postnorm, accumulate_precount
 
 CaseStrategy = Literal["precount", "postnorm", "mean_loss"]
@@ -46,7 +47,7 @@ FrontEnd = Literal["ddp", "fsdp2"]
 #: The params' dtype of a case. bfloat16 is the real thing: the model, its gradients, DDP's
 #: buckets (all-reduced in bf16 on gloo) and the optimizer state are bf16; only the per-token
 #: cross-entropy (float32, from upcast logits) and every count, weight sum and division by D
-#: (float64) are wider (``torch_impl.schemes.accumulation_dtype``).
+#: (float64) are wider (``torch_impl.losses.accumulation_dtype``).
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,
@@ -75,8 +76,9 @@ def check_case_choices(case: Any, strategies: tuple[str, ...]) -> None:
 class UpdateCase(BatchJob):
     """One cross-check case: `num_updates` consecutive updates on the same global batch."""
 
-    #: A scheme name; ignored by ``mean_loss``, which is its own (accidental) weighting.
-    scheme: str
+    #: A scheme spec: its catalogue name (``token_mean``, ``group_token_mean``) or its dict;
+    #: ignored by ``mean_loss``, which is its own (accidental) weighting.
+    scheme: str | Mapping[str, Any]
     strategy: CaseStrategy
     accum_steps: int
     optimizer: OptimizerSpec
@@ -96,10 +98,19 @@ class UpdateCase(BatchJob):
     stop_after_updates: int | None = None
     stop_after_microbatches: int = 0
     save_to: str | None = None
+    #: Hand the ranks the id bounds of the global batch; False: they agree on them in a
+    #: collective of their own, as a loop that only holds its own rows must.
+    pass_id_bounds: bool = True
 
     def __post_init__(self) -> None:
+        get_spec(self.scheme)  # a bad spec fails here, in the caller, with its key named
         check_case_choices(self, ("precount", "postnorm", "mean_loss"))
         self._check_stop()
+
+    @property
+    def scheme_name(self) -> str:
+        """The spec's name (a checkpoint records it, and refuses another on resume)."""
+        return get_spec(self.scheme).name
 
     def _check_stop(self) -> None:
         stops = self.stop_after_updates is not None
@@ -211,6 +222,16 @@ class _WrapperCache:
         return self.get(dataclasses.replace(case, dtype=PROBE_DTYPE)).reduction
 
 
+def id_bounds(batch: Mapping[str, np.ndarray]) -> IdBounds:
+    """The pre-pass vector lengths from the global batch, which every rank holds whole."""
+
+    def bound(key: str) -> int:
+        array = batch.get(key)
+        return 0 if array is None or not np.size(array) else int(np.max(array)) + 1
+
+    return IdBounds(bound("group_ids"), bound("document_ids"))
+
+
 def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) -> RankOutput:
     """Every update of one case on this rank (from a checkpoint, to a stop, when it says so)."""
     model = wrapped.model
@@ -220,7 +241,7 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
     optimizer = make_optimizer(model.parameters(), case.optimizer)
     microbatches = rank_microbatches(case.batch, rank, world_size, case.accum_steps)
     vocab_size = int(np.asarray(case.params["embed"]).shape[0])
-    scheme = get_scheme(case.scheme) if case.strategy != "mean_loss" else None
+    bounds = id_bounds(case.batch) if case.pass_id_bounds else None
     s = wrapped.reduction.reduce_factor if case.reduce_factor is None else case.reduce_factor
     first_update, partial = 0, None
     if case.resume_from is not None:
@@ -230,7 +251,7 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
             world_size=world_size,
             accum_steps=case.accum_steps,
             strategy=case.strategy,
-            scheme=case.scheme,
+            scheme=case.scheme_name,
             dtype=case.dtype,
         )
         partial = restore(state, model, optimizer)
@@ -244,18 +265,14 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
     output = RankOutput(case.label, rank, wrapped.reduction, s, first_update=first_update)
     for _ in range(first_update, stop):
         mean_losses: list[float] = []
+        common = dict(vocab_size=vocab_size, resume=partial, id_bounds=bounds)
         if case.strategy == "precount":
             accumulated = accumulate_precount(
-                model, microbatches, scheme, vocab_size=vocab_size, reduce_factor=s, resume=partial
+                model, microbatches, case.scheme, reduce_factor=s, **common
             )
         elif case.strategy == "postnorm":
             accumulated = accumulate_postnorm(
-                model,
-                microbatches,
-                scheme,
-                vocab_size=vocab_size,
-                hook_state=wrapped.hook_state,
-                resume=partial,
+                model, microbatches, case.scheme, hook_state=wrapped.hook_state, **common
             )
         else:
             mean_losses = accumulate_mean_loss(model, microbatches, vocab_size=vocab_size)
@@ -269,14 +286,13 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
                 accumulated,
                 rank=rank,
                 accum_steps=case.accum_steps,
-                scheme=scheme,
                 strategy=case.strategy,
                 grad_norm=norm,
                 clipped_grad_norm=clipped,
             )
         output.updates.append(UpdateOutput(grads, numpy_params(model), record, tuple(mean_losses)))
     if case.save_to is not None:
-        _stop_and_save(case, model, optimizer, microbatches, scheme, s, partial)
+        _stop_and_save(case, model, optimizer, microbatches, bounds, s, partial)
     return output
 
 
@@ -285,7 +301,7 @@ def _stop_and_save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     microbatches: list[TokenBatch],
-    scheme: WeightingScheme,
+    bounds: IdBounds | None,
     reduce_factor: float,
     partial: PartialAccumulation | None,
 ) -> None:
@@ -294,12 +310,13 @@ def _stop_and_save(
         partial = accumulate_partial(
             model,
             microbatches,
-            scheme,
+            case.scheme,
             strategy=case.strategy,
             vocab_size=int(np.asarray(case.params["embed"]).shape[0]),
             num_microbatches=case.stop_after_microbatches,
             reduce_factor=reduce_factor,
             resume=partial,
+            id_bounds=bounds,
         )
     save_checkpoint(
         case.save_to,
@@ -308,7 +325,7 @@ def _stop_and_save(
         updates_done=case.stop_after_updates,
         accum_steps=case.accum_steps,
         strategy=case.strategy,
-        scheme=case.scheme,
+        scheme=case.scheme_name,
         partial=partial,
     )
     # The run ends here; its partial gradient is in the checkpoint, not for the next case.

@@ -1,10 +1,10 @@
 """The transformer's update cases on one process group: every case of a world size, one launch.
 
 A `TransformerCase` names a global batch (with contract v2's row fields when a spec needs
-them), a scheme (a v1 name, ``torch_impl.schemes``) or a spec (``torch_impl.spec``), a
-strategy and M. Every rank runs one update of it with the project's own reference steps
-(``torch_impl.update.accumulate_precount`` / ``accumulate_postnorm``, or
-``torch_impl.spec_update``'s) on a DDP-wrapped ``TinyTransformer``, trained through
+them), a scheme spec (a catalogue name or a dict, ``torch_impl.spec``), a strategy and M.
+Every rank runs one update of it with the project's own reference steps
+(``torch_impl.update.accumulate_precount`` / ``accumulate_postnorm``) on a DDP-wrapped
+``TinyTransformer``, trained through
 ``per_token_losses``; rank 0 returns the reduced gradient, and every rank how far its own
 gradient is from rank 0's (all ranks must hold the same update).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -27,8 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 from crosscheck.fixtures.transformer_weights import TRANSFORMER_CONFIG, initial_weights
 from torch_impl.batch import rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
-from torch_impl.schemes import get_scheme
-from torch_impl.spec_update import accumulate_spec_postnorm, accumulate_spec_precount
 from torch_impl.transformer import (
     TinyTransformer,
     load_weights,
@@ -45,11 +43,10 @@ class TransformerCase:
     label: str
     #: Global [N, T] arrays (inputs, targets, segment_ids, weights) and any [N] row fields.
     batch: Mapping[str, np.ndarray]
-    #: A v1 scheme name, or with ``spec=True`` a spec name (``group_token_mean``).
-    scheme: str
+    #: A scheme spec's catalogue name (``token_mean``, ``group_token_mean``) or its dict.
+    scheme: str | Mapping[str, Any]
     strategy: Literal["precount", "postnorm"]
     accum_steps: int
-    spec: bool = False
 
     def __post_init__(self) -> None:
         if self.strategy not in ("precount", "postnorm"):
@@ -89,16 +86,10 @@ def _run_case(
     # DDP's default all-reduce averages the buckets (divides their sum by R): precount's
     # reduce factor s is R. Were it not, every gradient would be off by R and the check fail.
     s = float(world_size)
-    if case.spec and case.strategy == "precount":
-        accumulate_spec_precount(model, microbatches, case.scheme, reduce_factor=s, **common)
-    elif case.spec:
-        accumulate_spec_postnorm(model, microbatches, case.scheme, hook_state=hook_state, **common)
-    elif case.strategy == "precount":
-        scheme = get_scheme(case.scheme)
-        accumulate_precount(model, microbatches, scheme, reduce_factor=s, **common)
+    if case.strategy == "precount":
+        accumulate_precount(model, microbatches, case.scheme, reduce_factor=s, **common)
     else:
-        scheme = get_scheme(case.scheme)
-        accumulate_postnorm(model, microbatches, scheme, hook_state=hook_state, **common)
+        accumulate_postnorm(model, microbatches, case.scheme, hook_state=hook_state, **common)
     grads = named_grads(model)
     model.zero_grad(set_to_none=True)
     # Every rank must hold rank 0's update: rank 0's flat gradient is broadcast and each rank
