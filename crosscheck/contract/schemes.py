@@ -195,11 +195,6 @@ def effective_weights(scheme: str | SchemeSpec, batch: LaidOutBatch) -> np.ndarr
     return batch.to_global(resolve_scheme(scheme).effective_weights(batch))
 
 
-#: The prefix that asks for a named scheme's spec path in the torch and JAX references
-#: (``spec:token_mean``): the same spec, the same numbers, computed by their spec code.
-SPEC_PREFIX = "spec:"
-
-
 def resolve_scheme(scheme: str | dict[str, Any] | SchemeSpec) -> SchemeSpec:
     """The spec of whatever names the intended scheme.
 
@@ -207,13 +202,10 @@ def resolve_scheme(scheme: str | dict[str, Any] | SchemeSpec) -> SchemeSpec:
     spec dict, a `SchemeSpec`, or ``MODULE:OBJECT`` whose first part is no scheme's name: a
     user's own scheme, the module imported (from the current directory first, as
     ``verify --step`` is) and the object, a `SchemeSpec` or its dict, read; a spec left
-    unnamed takes the reference as its name. ``spec:NAME`` is the named scheme under that
-    name (the matrix's rows of the references' spec paths).
+    unnamed takes the reference as its name.
     """
     if isinstance(scheme, SchemeSpec):
         return scheme
-    if isinstance(scheme, str) and scheme.startswith(SPEC_PREFIX):
-        return replace(get_spec(scheme.removeprefix(SPEC_PREFIX)), name=scheme)
     if isinstance(scheme, str) and (scheme in SCHEMES or scheme.startswith("constant:")):
         return get_scheme(scheme)
     if isinstance(scheme, str) and _is_reference(scheme):

@@ -22,7 +22,7 @@ import numpy as np
 
 from crosscheck.contract.cases import Case, CaseOutput, RankMetrics, TrainSettings
 from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
-from crosscheck.contract.schemes import SPEC_PREFIX, resolve_scheme
+from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
 from crosscheck.launch.workers import jax_launch, run_jax_job, worker_zygote
@@ -49,10 +49,6 @@ def why_unsupported(case: Case) -> str:
         return f"the JAX reference runs {', '.join(DTYPES)}, not {case.dtype}"
     if case.scheme not in V1_SCHEMES and case.dtype != "float64":
         return "the matrix runs trainer modes (scheme specs) in float64"
-    if case.impl == "jax-multiprocess" and case.scheme.startswith(SPEC_PREFIX):
-        # Every process compiles the launch's spec sweep on 2 shared cores: v1's schemes in
-        # spec form run there in tests/test_jax_spec.py, not in every run of the matrix.
-        return "jax-multiprocess runs v1's schemes by name (their spec form: tests)"
     accidental = case.scheme in ("rank_mean", "microbatch_mean")
     if case.impl == "jax-multiprocess":
         if case.world_size not in MULTIPROCESS_SIZES:

@@ -83,15 +83,13 @@ class Plan:
     dtypes: list[str] = field(default_factory=lambda: ["float64"])
     world_size_change: bool = True
     resume: bool = True
-    #: Contract v2's trainer modes, and v1's schemes in their spec form (``spec:NAME``), on
-    #: v2's fixtures: a second product, spec_fixtures x spec_schemes, beside fixtures x
-    #: schemes (off with `spec_modes=False`).
+    #: Contract v2's trainer modes on v2's fixtures: a second product, spec_fixtures x
+    #: spec_schemes, beside fixtures x schemes (off with `spec_modes=False`). v1's names are
+    #: specs too and run once, in the first product.
     spec_schemes: list[str] = field(
         default_factory=lambda: [
             *MODE_SPECS,
             *(f"{name}:{value:g}" for name, value in DEFAULT_PARAMETERS.items()),
-            # v1's schemes through the spec paths: the same numbers as their v1 rows.
-            *(f"spec:{name}" for name in SCHEMES),
         ]
     )
     spec_fixtures: list[str] = field(default_factory=lambda: list(V2_FIXTURES))
