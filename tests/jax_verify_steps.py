@@ -71,3 +71,52 @@ def hangs_on_ragged(params: Any, apply_fn: Callable, batch: dict[str, Any], mesh
 
 
 NOT_A_FUNCTION = 42
+
+
+def _bf16(params: Any) -> Any:
+    return jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+
+
+def _losses_f32(params: Any, apply_fn: Callable, batch: dict[str, Any]) -> tuple:
+    """Per-token losses of a bf16 model (logits upcast to float32), and the valid mask."""
+    valid = batch["targets"] != -100
+    logits = apply_fn(params, batch["inputs"]).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits, jnp.where(valid, batch["targets"], 0)
+    )
+    return jnp.where(valid, losses, 0.0), valid
+
+
+def bf16_params(params: Any, apply_fn: Callable, batch: dict[str, Any], mesh: Any) -> Any:
+    """The correct token mean, computed by a model whose params the step casts to bf16: it
+    returns the bf16 gradient."""
+
+    def loss(p):
+        losses, valid = _losses_f32(p, apply_fn, batch)
+        return jnp.sum(losses) / jnp.sum(valid)
+
+    return jax.jit(jax.grad(loss))(_bf16(params))
+
+
+def bf16_params_microbatch_mean(
+    params: Any, apply_fn: Callable, batch: dict[str, Any], mesh: Any
+) -> Any:
+    """The same bf16 model, each microbatch's own token mean averaged over R x M."""
+
+    def loss(p):
+        losses, valid = _losses_f32(p, apply_fn, batch)
+        per_mb = jnp.sum(losses, axis=(-2, -1)) / jnp.maximum(jnp.sum(valid, axis=(-2, -1)), 1)
+        return jnp.mean(per_mb)
+
+    return jax.jit(jax.grad(loss))(_bf16(params))
+
+
+def bf16_compute(params: Any, apply_fn: Callable, batch: dict[str, Any], mesh: Any) -> Any:
+    """The correct token mean computed in bf16 inside the loss (as mixed precision does), the
+    gradient handed back in the params' own dtype."""
+
+    def loss(p):
+        losses, valid = _losses_f32(_bf16(p), apply_fn, batch)
+        return jnp.sum(losses) / jnp.sum(valid)
+
+    return jax.jit(jax.grad(loss))(params)

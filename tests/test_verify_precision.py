@@ -113,6 +113,55 @@ def test_bf16_params_are_judged_at_bf16_level_in_both_frameworks():
         assert not bad.ok and bad.best_match == named, bad.message()
 
 
+#: (framework, step module): the bf16 steps of tests/verify_steps.py and jax_verify_steps.py.
+BF16_STEPS = (("torch", "verify_steps"), ("jax", "jax_verify_steps"))
+
+
+def test_a_step_that_casts_itself_to_bf16_is_judged_at_bf16_level_without_a_flag():
+    """The model (torch) or params (JAX) cast to bf16 by the step: the gradient comes back in
+    bf16, and that is the level it is judged at under --precision auto. The correct step
+    passes; its microbatch-mean twin is named, at the same level."""
+    for framework, module in BF16_STEPS:
+        with contextlib.chdir(TESTS):
+            ok = verify(f"{module}:bf16_model" if framework == "torch" else f"{module}:bf16_params",
+                        framework=framework, scheme="token_mean", **ONE_LAYOUT)  # fmt: skip
+            twin = (
+                "bf16_model_microbatch_mean"
+                if framework == "torch"
+                else ("bf16_params_microbatch_mean")
+            )
+            bad = verify(f"{module}:{twin}", framework=framework, scheme="token_mean", **ONE_LAYOUT)
+        assert ok.ok and ok.level == "bfloat16", ok.message()
+        # bf16 arithmetic: above the float32 tolerance, within bf16's (else the step did not
+        # compute in bf16, and the test would show nothing).
+        assert 1e-5 < ok.max_rel_err <= 2e-2, ok.message()
+        assert not bad.ok and bad.best_match == "microbatch-mean", bad.message()
+        assert bad.level == "bfloat16", bad.message()
+
+
+def test_bf16_arithmetic_behind_a_finer_gradient_is_named_with_its_flag():
+    """Autocast (torch, float32 params) and a bf16 cast inside a JAX loss (float64 params):
+    the gradient comes back finer than the arithmetic. Under auto the step fails (a float32
+    judgement cannot pass bf16 rounding), and the message says its arithmetic looks bf16 and
+    gives the flag; never a fix that blames the loss. With the flag, it passes."""
+    for framework, step, dtype in (
+        ("torch", "verify_steps:autocast_bf16", "float32"),
+        ("jax", "jax_verify_steps:bf16_compute", "float64"),
+    ):
+        with contextlib.chdir(TESTS):
+            auto = verify(step, framework=framework, scheme="token_mean", dtype=dtype, **ONE_LAYOUT)
+            flagged = verify(
+                step, framework=framework, scheme="token_mean", dtype=dtype,
+                precision="bfloat16", **ONE_LAYOUT,
+            )  # fmt: skip
+        message = auto.message()
+        assert not auto.ok, message
+        assert "the step's arithmetic looks bf16" in message, message
+        assert "--precision bfloat16" in message, message
+        assert "check that the step's loss" not in message, message
+        assert flagged.ok and flagged.level == "bfloat16", flagged.message()
+
+
 def test_strict_keeps_the_float64_judgement():
     with contextlib.chdir(REPO):
         report = verify(

@@ -154,3 +154,53 @@ def cli_signal_child_then_hang(model: nn.Module, microbatches: Microbatches) -> 
         [sys.executable, "-c", "import time; time.sleep(600)", "gradweight-cli-hang-child"]
     )
     time.sleep(600)
+
+
+def _bf16_model_step(model_factory: Callable[[], nn.Module], microbatches: Microbatches, *,
+                     per_microbatch: bool) -> nn.Module:  # fmt: skip
+    """The model cast to bf16 by the step itself (a bf16 training loop), wrapped in DDP; the
+    global token mean, or each microbatch's own mean (`per_microbatch`: microbatch-mean)."""
+    model = DistributedDataParallel(model_factory().to(torch.bfloat16))
+    count = _global_count(microbatches)
+    M = len(microbatches)
+    for index, batch in enumerate(microbatches):
+        last = index == M - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            logits = model(batch["inputs"]).float()
+            loss = cross_entropy(
+                logits.view(-1, logits.size(-1)), batch["targets"].view(-1), reduction="sum"
+            )
+            if per_microbatch:  # the usual mean-loss loop: mean / M, DDP's average over R
+                own = max(int((batch["targets"] != -100).sum()), 1)
+                (loss / own / M).backward()
+            else:  # the global count, times R against DDP's average
+                (loss / count * dist.get_world_size()).backward()
+    return model
+
+
+def bf16_model(model_factory: Callable[[], nn.Module], microbatches: Microbatches) -> nn.Module:
+    """Correct token mean, computed by a model the step casts to bf16."""
+    return _bf16_model_step(model_factory, microbatches, per_microbatch=False)
+
+
+def bf16_model_microbatch_mean(
+    model_factory: Callable[[], nn.Module], microbatches: Microbatches
+) -> nn.Module:
+    """The same bf16 loop, each microbatch divided by its own count: microbatch-mean."""
+    return _bf16_model_step(model_factory, microbatches, per_microbatch=True)
+
+
+def autocast_bf16(model: nn.Module, microbatches: Microbatches) -> None:
+    """Correct token mean under torch.autocast(bfloat16): the params stay as given, the
+    matmuls compute in bf16."""
+    count = _global_count(microbatches)
+    for index, batch in enumerate(microbatches):
+        last = index == len(microbatches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(batch["inputs"])
+            loss = cross_entropy(
+                logits.float().view(-1, logits.size(-1)), batch["targets"].view(-1),
+                reduction="sum",
+            )  # fmt: skip
+            (loss / count * dist.get_world_size()).backward()

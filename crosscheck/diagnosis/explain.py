@@ -176,6 +176,21 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
                 "choice), its weighting can be checked."
             )
             return text, f"judge the step at precision {coarser} (drop --strict / --precision)"
+        if level_of(d.residual, ("bfloat16",)) and d.precision != "bfloat16":
+            # Not waved through: the step handed back a gradient of finer dtype, so its bf16
+            # arithmetic (autocast, a cast inside the model) is a guess, stated with the flag
+            # that tests it. Never a fix that blames the loss for rounding.
+            text += (
+                f" A residual that size is {LEVEL_NAMES['bfloat16']} rounding: the step's "
+                f"arithmetic looks bf16 (autocast, or a cast inside the model), though its "
+                f"params and gradient are {d.dtype}."
+            )
+            return text, (
+                "if the step computes in bf16 on purpose, judge it at that level: rerun with "
+                "--precision bfloat16 (verify(..., precision='bfloat16')); if it does not, "
+                "something of that size changes the weights inside each document (label "
+                "smoothing, other params)"
+            )
         soft = (
             " (soft weights ignored or changed, for weighted_mean)"
             if d.intended == "weighted_mean"

@@ -54,7 +54,7 @@ rounded to float32 agrees at float32-level, a float32 step never at float64.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,6 +91,12 @@ def auto_levels(dtype: str) -> tuple[str, ...]:
     if dtype not in RTOL_BY_DTYPE:
         raise ValueError(f"dtype must be one of {', '.join(RTOL_BY_DTYPE)}, got {dtype!r}")
     return ("float64", "float32", "bfloat16") if dtype == "bfloat16" else ("float64", "float32")
+
+
+def coarsest_level(levels: Iterable[str | None]) -> str | None:
+    """The coarsest of `levels` (None where none is known)."""
+    known = [level for level in levels if level is not None]
+    return max(known, key=PRECISIONS.index) if known else None
 
 
 def level_of(noise: float, allowed: Sequence[str]) -> str | None:

@@ -12,9 +12,9 @@ Results go to the progress folder as they come, never at the end only: the harne
 process when it outlives the time limit, and the jobs that finished before the hang must keep
 their results. ``current`` names what the worker is doing ("import" or a job's index);
 ``<index>.pkl`` holds a finished job's ``("ok", ({name: float64 array}, logged
-denominator or None))`` or ``("error", message)``; ``import-error`` holds the message when
-the step could not be imported. Every file is written under a temporary name and renamed, so
-the harness never reads half of one.
+denominator or None, returned dtype))`` or ``("error", message)``; ``import-error`` holds the
+message when the step could not be imported. Every file is written under a temporary name and
+renamed, so the harness never reads half of one.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pickle
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +222,16 @@ def read_gradient(
     return grads
 
 
+def returned_dtype(leaves: Iterable[Any]) -> str:
+    """The coarsest precision level among the dtypes of the step's returned leaves: bf16-level
+    for bfloat16 and float16 (float16's 11 significant bits, judged at the coarser level so
+    that its rounding is never taken for a weighting error), then float32, else float64."""
+    names = {str(getattr(leaf, "dtype", "float64")) for leaf in leaves}
+    if names & {"bfloat16", "float16"}:
+        return "bfloat16"
+    return "float32" if "float32" in names else "float64"
+
+
 def _named_tree(params: Any, out: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
     """The user's params' leaf shapes and the step's returned tree, both by pytree path."""
     from jax_impl.harness.model_reference import named_leaves
@@ -238,7 +248,8 @@ def run_job(
     mesh: Any = None,
     user_model: tuple[Callable[..., Any], Any] | None = None,
 ) -> tuple:
-    """One call of the step: ("ok", grads) or ("error", a message naming the job and cause)."""
+    """One call of the step: ("ok", (grads, logged D, returned dtype)) or ("error", a message
+    naming the job and cause)."""
     where = f"{job.describe()}: step {spec}"
     try:
         params, apply_fn, batch, mesh = _arguments(job, mesh, user_model)
@@ -258,13 +269,14 @@ def run_job(
         else:
             expected = {name: tuple(np.shape(params[name])) for name in PARAM_NAMES}
         grads = read_gradient(out, expected, job.world_size)
+        returned = returned_dtype(out[name] for name in expected)
     except ValueError as error:
         return "error", f"{where}: the returned {what} {error}"
     except Exception as error:  # computing a lazy result can raise too (e.g. an XLA error)
         return "error", f"{where}: reading its result raised {describe_error(error, module_file)}"
     if with_optimizer:  # optax.sgd(1.0): updates = -gradient
         grads = {name: -value for name, value in grads.items()}
-    return "ok", (grads, take_logged_denominator())
+    return "ok", (grads, take_logged_denominator(), returned)
 
 
 def main(argv: Sequence[str]) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from crosscheck.diagnosis.verdict import coarsest_level
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.step_check import MAIN_RERUN_EXIT
 
@@ -106,7 +107,11 @@ def judge(
     disagreement = ranks_disagree(per_rank)
     if disagreement:
         return StepError(f"{job.describe()}: {disagreement}")
-    return VerifyOutput(grads=per_rank[0], logged_denominator=outcomes[0].logged_denominator)
+    return VerifyOutput(
+        grads=per_rank[0],
+        logged_denominator=outcomes[0].logged_denominator,
+        returned_dtype=coarsest_level(o.returned_dtype for o in outcomes),
+    )
 
 
 def _job_started(status_dir: str, index: int, world_size: int) -> bool:

@@ -35,7 +35,7 @@ from typing import Any, Literal
 from crosscheck.contract.schemes import is_v1_scheme, resolve_scheme
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.diagnose import diagnose
-from crosscheck.diagnosis.verdict import PRECISIONS
+from crosscheck.diagnosis.verdict import PRECISIONS, coarsest_level
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.devices import (
     DeviceError,
@@ -137,7 +137,9 @@ def judge(
             job.accum_steps,
             output.grads,
             scheme,
-            dtype=job.dtype,
+            # A gradient that came back coarser than the params handed over (a step that
+            # casts its model to bf16 itself) is judged as the step's own precision.
+            dtype=coarsest_level((job.dtype, output.returned_dtype)),
             precision=precision,
             logged_denominator=output.logged_denominator,
             basis=None if reference is None else reference.bases[job.fixture],

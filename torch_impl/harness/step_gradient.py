@@ -46,6 +46,28 @@ def _unwrapped_name(name: str) -> str:
     return name
 
 
+#: The precision level each floating dtype of a returned gradient is judged at: float16's
+#: 11 significant bits lie between bf16's 8 and float32's 24, and are judged at bf16-level
+#: (the coarser: a float16 step's rounding is never taken for a weighting error).
+_LEVEL_OF_DTYPE = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "bfloat16",
+}
+
+
+def returned_dtype(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
+    """The coarsest precision level among the dtypes of the gradient the step left: of the
+    parameters' ``.grad`` (or, with an optimizer, of the parameters it stepped)."""
+    levels = {
+        _LEVEL_OF_DTYPE.get(tensor.dtype, "float64")
+        for param in model.parameters()
+        if (tensor := param if optimizer is not None else param.grad) is not None
+    }
+    return next((level for level in ("bfloat16", "float32") if level in levels), "float64")
+
+
 def read_grads(
     model: nn.Module,
     params: Mapping[str, np.ndarray],

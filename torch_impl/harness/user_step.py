@@ -58,7 +58,7 @@ from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, rank_microbatches
 from torch_impl.harness.jobs import BatchJob
 from torch_impl.harness.model_reference import ModelSetupError, fresh_model, load_callable
 from torch_impl.harness.rank_worker import finish_rank, write_atomic, write_pickle
-from torch_impl.harness.step_gradient import StepResultError, read_grads
+from torch_impl.harness.step_gradient import StepResultError, read_grads, returned_dtype
 from torch_impl.model import BilinearLM
 
 #: Error kinds of a RankOutcome, most telling first: the harness reports the first it finds.
@@ -118,6 +118,8 @@ class RankOutcome:
     kind: str = ""
     #: What the step passed to ``crosscheck.log_denominator`` on this rank (its last value).
     logged_denominator: float | None = None
+    #: The coarsest precision level of the gradient's dtypes (``step_gradient.returned_dtype``).
+    returned_dtype: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +264,12 @@ def run_job(
         model = returned
     try:
         grads = read_grads(model, params, optimizer, full_names=user_model is not None)
-        return RankOutcome(rank, grads, logged_denominator=_take_logged_denominator())
+        return RankOutcome(
+            rank,
+            grads,
+            logged_denominator=_take_logged_denominator(),
+            returned_dtype=returned_dtype(model, optimizer),
+        )
     except StepResultError as error:
         return RankOutcome(rank, None, f"after the step: {error}", RESULT)
     except Exception as error:  # gathering a sharded gradient failed: a collective
