@@ -29,6 +29,10 @@ which then does not shift the labels again).
 ``--forward``: the model's logits of ``input_ids``, as the default forward takes them (a model
 trained with packed position ids would pass them here too).
 
+``moe_model`` is a tiny Mixtral whose experts run through ``grouped_mm`` (transformers'
+default), a kernel that refuses float64: ``--model examples.torch_hf_model:moe_model`` runs
+its reference, and the step, in float32, and the report says so.
+
 ``model_unseeded`` is the factory without its ``torch.manual_seed``: every call draws other
 weights, so the step and the reference would start from different models; ``--model`` refuses
 it as a set-up error (exit 2), before any step runs.
@@ -42,7 +46,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 IGNORE_INDEX = -100
 
@@ -55,20 +59,35 @@ def model() -> LlamaForCausalLM:
     return model_unseeded()
 
 
+#: The tiny decoder's sizes (the fixtures' 40-token vocabulary), with the plain attention: the
+#: same arithmetic in float64 as in float32.
+TINY = {
+    "vocab_size": 40,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "attn_implementation": "eager",
+}
+
+
 def model_unseeded() -> LlamaForCausalLM:
     """The same Llama with whatever weights torch's generator gives: another model each call."""
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        # The plain attention: the same arithmetic in float64 as in float32.
-        attn_implementation="eager",
+    return LlamaForCausalLM(LlamaConfig(**TINY))
+
+
+def moe_model() -> MixtralForCausalLM:
+    """A tiny Mixtral (4 experts, top 2), as transformers builds it from a config: its experts
+    run through ``grouped_mm``, which refuses float64, so ``--model`` runs its reference (and
+    hands the step the model) in float32 and says so. The router's aux loss is off
+    (``output_router_logits=False``): the objective is the cross-entropy alone."""
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        **TINY, num_local_experts=4, num_experts_per_tok=2, output_router_logits=False
     )
-    return LlamaForCausalLM(config)
+    return MixtralForCausalLM(config)
 
 
 def logits(llama: LlamaForCausalLM, microbatch: Microbatch) -> torch.Tensor:

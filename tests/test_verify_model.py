@@ -103,6 +103,32 @@ def test_hf_model_without_num_items_in_batch_is_microbatch_mean():
     assert "Explains every case: microbatch-mean." in message
 
 
+MOE_MODEL = "examples.torch_hf_model:moe_model"
+
+
+def test_a_moe_model_whose_kernels_refuse_float64_is_verified_at_float32_level():
+    """transformers' default Mixtral runs its experts through grouped_mm, which refuses
+    float64: the reference and the step run in float32, the report says so, the Trainer's
+    loop passes and its microbatch-mean twin is named. The step reads back the update its
+    optimizer applied: exactly (its .grad), not as before - after, whose float32 rounding
+    alone is 4e-4 of an expert's small gradient."""
+    good = verify(
+        "examples.torch_hf_model:step",
+        framework="torch", scheme="token_mean", model=MOE_MODEL, **ONE_LAYOUT,
+    )  # fmt: skip
+    bad = verify(
+        "examples.torch_hf_model:step_microbatch_mean",
+        framework="torch", scheme="token_mean", model=MOE_MODEL, **ONE_LAYOUT,
+    )  # fmt: skip
+    message = good.message()
+    assert good.ok and good.level == "float32", message
+    assert good.max_rel_err < FLOAT32_TOLERANCE, message  # NaN fails too
+    assert good.model_dtype == "float32" and good.to_json()["model_dtype"] == "float32"
+    assert "The model's forward refuses float64 (Expected mat_a to be Float32" in message
+    assert all(case.job.dtype == "float32" for case in good.cases)
+    assert not bad.ok and bad.best_match == "microbatch-mean", bad.message()
+
+
 def test_hf_model_with_a_rank_local_count_is_rank_mean_through_the_cli(tmp_path):
     path = tmp_path / "verify.json"
     # With the forward written out (the default's logits, given by name): the option reaches
@@ -242,3 +268,24 @@ def test_a_group_basis_of_the_analytic_model_diagnoses_as_its_jacobian_does(sche
     grads["embed"][0, 0] = np.nan
     broken = diagnose(fixture, 2, 2, grads, scheme, basis=basis)
     assert broken.detected and "NaN in embed[0, 0]" in broken.unusable
+
+
+def test_the_update_an_optimizer_applied_is_read_exactly():
+    """In-process, a float32 parameter of 1e3 with a gradient of 1e-4 stepped by SGD(lr=1):
+    before - after carries float32's rounding of 1e3 (6e-5 absolute, over half the
+    gradient); the .grad left in place is what SGD applied and is read instead, exactly. A
+    .grad changed after the step is not what was applied: then the difference is read."""
+    import torch
+
+    from torch_impl.harness.step_gradient import _applied_update
+
+    param = torch.nn.Parameter(torch.full((4,), 1000.0, dtype=torch.float32))
+    before = param.detach().to(torch.float64).numpy().copy()
+    param.grad = torch.full((4,), 1e-4, dtype=torch.float32)
+    torch.optim.SGD([param], lr=1.0).step()
+    read = _applied_update(param, before)
+    assert np.array_equal(read, param.grad.to(torch.float64).numpy())
+    difference = before - param.detach().to(torch.float64).numpy()
+    assert not np.allclose(difference, read, rtol=1e-3)  # the rounding the exact read avoids
+    param.grad.mul_(3.0)  # changed after stepping: no longer what SGD applied
+    assert np.array_equal(_applied_update(param, before), difference)

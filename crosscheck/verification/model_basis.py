@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,15 @@ class ModelReference:
 
     bases: dict[str, GroupBasis]
     intended: dict[VerifyJob, dict[str, np.ndarray]]
+    #: The dtype the reference ran in: float64, or float32 for a model whose forward refuses
+    #: float64 (`refused` says how); the step then gets the model in that dtype too.
+    dtype: str = "float64"
+    refused: str = ""
+
+    def at_dtype(self, dtype: str) -> ModelReference:
+        """The same reference with its jobs handed the model in `dtype`."""
+        intended = {replace(job, dtype=dtype): grads for job, grads in self.intended.items()}
+        return replace(self, intended=intended)
 
 
 def _batch(fixture: Fixture) -> dict[str, np.ndarray]:
@@ -143,7 +152,9 @@ def model_reference(
         for name, (matrix, shapes) in result["bases"].items()
     }
     intended = {job: result["intended"][index] for job, index in index_of.items()}
-    return ModelReference(bases, intended)
+    return ModelReference(
+        bases, intended, result.get("dtype", "float64"), result.get("refused", "")
+    )
 
 
 def torch_group_basis(

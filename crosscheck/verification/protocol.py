@@ -22,8 +22,10 @@ the function's signature:
   returns a fresh *unwrapped* model, wraps it itself (DDP, FSDP2, anything) and returns the
   wrapped model; the harness reads that model's gradients (DTensors gathered in full);
 * a step that accepts an ``optimizer`` argument is given ``torch.optim.SGD(params, lr=1.0)``
-  and may call ``optimizer.step()``: the harness then reads params before minus params after,
-  which for SGD with learning rate 1 is the gradient the optimizer applied.
+  and may call ``optimizer.step()``: the harness then reads the update it applied, which for
+  SGD with learning rate 1 is the gradient: the ``.grad`` left in place when it agrees with
+  params before minus params after to within the one rounding of ``after`` (exact), else that
+  difference (``torch_impl.harness.step_gradient``).
 
 **JAX.** ``step(params, apply_fn, batch, mesh)`` runs in a worker process with 8 CPU devices
 and ``jax_enable_x64``. ``params`` is ``{"embed": [V, H], "unembed": [H, V]}`` (float64
@@ -47,7 +49,8 @@ initial weights every call (two calls' state dicts must be equal, else a `StepSe
 the step gets it wrapped in DDP, or the factory for a ``model_factory`` step, in the job's
 dtype, and the gradient is read by parameter name. JAX: ``FACTORY()`` returns ``(apply_fn,
 params)``; the step is called as above with them, and returns a tree of the params' structure.
-The reference is then the same model's float64 gradient, computed in one extra process
+The reference is then the same model's float64 gradient (float32, with the step's model too,
+for a torch model whose forward refuses float64), computed in one extra process
 (`crosscheck.verification.model_basis`): the intended gradient, one backward of
 ``sum_t w_t l_t`` over the global batch, and the group basis the diagnosis fits on, one
 backward per (row, segment) group; :math:`l_t` is the cross-entropy of the logits of

@@ -55,6 +55,9 @@ class VerifyReport:
     cases: list[VerifyCase] = field(default_factory=list)
     #: ``MODULE:FACTORY`` of the user's own model (``verify --model``), "" for the analytic one.
     model: str = ""
+    #: The dtype the model's reference ran in, and why not float64 when it is not ("" then).
+    model_dtype: str = "float64"
+    model_refused: str = ""
 
     @property
     def ok(self) -> bool:
@@ -210,6 +213,12 @@ class VerifyReport:
     def message(self) -> str:
         """The verdict, what it rests on, the name and the fix, and any step errors."""
         lines = [self.headline()]
+        if self.model_refused:
+            lines.append(
+                f"The model's forward refuses float64 ({self.model_refused}): its reference and "
+                f"the step ran in {self.model_dtype}, judged at {LEVEL_NAMES[self.model_dtype]} "
+                "or coarser."
+            )
         if self.ok:
             lines.append(f"Shown: {self.shown()}.")
             sensitivity = self.sensitivity()
@@ -268,6 +277,7 @@ class VerifyReport:
             "framework": self.framework,
             "step": self.step,
             "model": self.model or None,
+            "model_dtype": self.model_dtype if self.model else None,
             "scheme": self.scheme.name,
             "precision": self.level,
             "precision_requested": self.precision,

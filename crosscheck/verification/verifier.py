@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from crosscheck.contract.schemes import is_v1_scheme, resolve_scheme
@@ -252,6 +253,11 @@ def verify(
         reference = model_reference(
             framework, model_name, forward_name, jobs, intended, timeout_s=timeout_s
         )
+        if coarsest_level((dtype, reference.dtype)) != dtype:
+            # The model's forward refuses float64: the step gets it in the reference's dtype
+            # (it could not run it in float64 either), and is judged at that level.
+            jobs = [replace(job, dtype=reference.dtype) for job in jobs]
+            reference = reference.at_dtype(reference.dtype)
     elif forward is not None:
         raise ValueError("forward is how the reference runs the user's model: give model too")
     if run_jobs is not None:  # inside a launcher's job, which placed this process itself
@@ -278,6 +284,8 @@ def verify(
         precision=precision,
         cases=cases,
         model=model_name,
+        model_dtype="float64" if reference is None else reference.dtype,
+        model_refused="" if reference is None else reference.refused,
     )
 
 

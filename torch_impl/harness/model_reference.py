@@ -198,7 +198,8 @@ def compute_reference(rank: int, world_size: int, request: dict[str, Any]) -> di
     except Exception as error:
         return {"setup_error": f"calling the model factory {request['model']!r} raised {error!r}"}
     try:
-        model = fresh_model(factory, request["model"], torch.float64)
+        dtype, refused = _finest_dtype(factory, request, forward)
+        model = fresh_model(factory, request["model"], dtype)
         bases = {
             name: group_basis(model, forward, batch, group_of, units)
             for name, (batch, group_of, units) in request["fixtures"].items()
@@ -210,4 +211,27 @@ def compute_reference(rank: int, world_size: int, request: dict[str, Any]) -> di
     except Exception as error:
         frames = "".join(traceback.format_exception(error)[-6:])
         return {"error": f"the model's reference gradient raised {error!r}\n{frames}"}
-    return {"bases": bases, "intended": intended}
+    out = {"bases": bases, "intended": intended, "dtype": str(dtype).removeprefix("torch.")}
+    if refused:
+        out["refused"] = refused
+    return out
+
+
+def _finest_dtype(
+    factory: Callable[[], Any], request: dict[str, Any], forward: Forward
+) -> tuple[torch.dtype, str]:
+    """float64 when the model's forward runs in it, else float32 with the reason: a model whose
+    kernels refuse float64 (transformers' ``grouped_mm`` MoE experts: "Expected mat_a to be
+    Float32, BFloat16 or Float16 matrix, got Double") is still verified, at float32-level.
+    Tried on one row of the first fixture; a float32 failure is the model's own, raised."""
+    if not request["fixtures"]:  # nothing to compute: no dtype to choose
+        return torch.float64, ""
+    batch = next(iter(request["fixtures"].values()))[0]
+    row = _rows(batch, slice(0, 1))
+    try:
+        with torch.no_grad():
+            forward(fresh_model(factory, request["model"], torch.float64), row)
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        return torch.float32, reason
+    return torch.float64, ""

@@ -68,6 +68,32 @@ def returned_dtype(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     return next((level for level in ("bfloat16", "float32") if level in levels), "float64")
 
 
+def _applied_update(param: nn.Parameter, before: np.ndarray) -> np.ndarray:
+    """What SGD(lr=1) applied to `param`: its ``.grad`` when that is what the step applied,
+    else ``before - after``.
+
+    ``after = fl(before - g)`` rounds once in the parameter's dtype, so ``before - after``
+    (exact in float64) is g up to half a unit in the last place of ``after``: in a float32
+    model that is eps32 |theta| per entry, which for a small gradient entry next to a large
+    parameter (an expert few tokens reach) is a relative error far above float32-level, and
+    the step would be judged by the read-back's rounding instead of its own. When the
+    ``.grad`` left in place agrees with ``before - after`` to within that rounding everywhere,
+    it is the update SGD applied, read exactly; otherwise (the step changed or cleared
+    ``.grad`` after stepping) the difference is all there is.
+    """
+    after = _full(param.detach()).to("cpu", torch.float64)
+    delta = torch.from_numpy(before) - after
+    if param.grad is not None:
+        grad = _full(param.grad.detach()).to("cpu", torch.float64)
+        # One rounding of `after`: at most half its ulp, and ulp(x) <= eps |x| (+ the
+        # smallest subnormal at 0): a bound with a factor 2 to spare.
+        info = torch.finfo(param.dtype)
+        bound = info.eps * after.abs() + info.smallest_normal
+        if grad.shape == delta.shape and bool(((delta - grad).abs() <= bound).all()):
+            return grad.numpy().copy()
+    return delta.numpy()
+
+
 def read_grads(
     model: nn.Module,
     params: Mapping[str, np.ndarray],
@@ -114,8 +140,7 @@ def read_grads(
                 f"parameter {name!r} has shape {tuple(param.shape)}, expected {expected}"
             )
         if optimizer is not None:
-            after = _full(param.detach()).to("cpu", torch.float64).numpy()
-            grads[name] = np.asarray(params[name], dtype=np.float64) - after
+            grads[name] = _applied_update(param, np.asarray(params[name], dtype=np.float64))
         elif param.grad is None:
             raise StepResultError(
                 f"parameter {name!r} has no gradient (no backward reached it, or the step set "
