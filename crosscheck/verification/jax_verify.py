@@ -5,8 +5,9 @@ The step follows the protocol of `crosscheck.verification.protocol`.
 x64 and the fake-device count are process-global in JAX, and the user's code may hang or kill
 its process, so the step runs in a worker process (`crosscheck.verification.jax_verify_worker`)
 with eight CPU devices, started in the caller's working directory and waited for by
-`jax_impl.harness.launch.run_workers` with a bounded wait. One worker serves every job: JAX start-up
-and compiles dominate, and jobs of one shape can reuse the user's compiled code.
+`jax_impl.harness.launch.run_workers` with a bounded wait. JAX start-up and the step's
+compiles dominate: each worker pays the start-up once and serves its share of the jobs, one
+worker per core (`_shares`), so the compiles of different layouts run side by side.
 
 Time limit: `timeout_s` bounds the whole run (the worker's start-up, the import of the step and
 every job), not each job. A run ends at most `TIMEOUT_GRACE_S` after `timeout_s`: at the limit
@@ -25,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.workers import jax_launch, jax_worker_env
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
@@ -38,6 +40,10 @@ DEFAULT_TIMEOUT_S = 120.0
 TIMEOUT_GRACE_S = 5.0
 #: The part of the grace that may go to waiting for the killed processes to be gone.
 KILL_WAIT_S = 3.0
+#: Workers a run may start on the CPU (one per core, up to this), and the fewest distinct
+#: batch shapes each gets (a worker's JAX start-up costs about as much as two compiles).
+MAX_WORKERS = 4
+MIN_SHAPES_PER_WORKER = 3
 
 Outcome = VerifyOutput | StepError
 
@@ -151,27 +157,31 @@ def run(
     # The user's module (and anything it starts) must import from the caller's directory.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH", "")) if p)
     env["JAX_ENABLE_X64"] = "1"  # for a step module that reads the flag at import
+    shares = _shares(jobs, platform)
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-verify-") as tmp:
         work = Path(tmp)
-        progress = work / "progress"
-        progress.mkdir()
-        job_file = work / "job.pkl"
-        job_file.write_bytes(
-            pickle.dumps(
-                {
-                    "step": step,
-                    "jobs": jobs,
-                    "cwd": cwd,
-                    "progress": str(progress),
-                    "model": model,
-                }
+        commands, folders = [], []
+        for index, share in enumerate(shares):
+            progress = work / f"progress{index}"
+            progress.mkdir()
+            job_file = work / f"job{index}.pkl"
+            job_file.write_bytes(
+                pickle.dumps(
+                    {
+                        "step": step,
+                        "jobs": share,
+                        "cwd": cwd,
+                        "progress": str(progress),
+                        "model": model,
+                    }
+                )
             )
-        )
-        command = [sys.executable, "-m", WORKER_MODULE, str(job_file)]
+            commands.append([sys.executable, "-m", WORKER_MODULE, str(job_file)])
+            folders.append(progress)
         failure: Exception | None = None
         try:
             launch.run_workers(
-                [command],
+                commands,
                 timeout_s=timeout_s,
                 log_dir=work / "logs",
                 env=env,
@@ -181,4 +191,28 @@ def run(
         except Exception as error:  # LaunchError: killed at the deadline, or died on its own
             failure = error
         timed_out = bool(getattr(failure, "timed_out", False))
-        return _collect(step, jobs, progress, failure, timed_out, timeout_s)
+        outcomes: dict[VerifyJob, Outcome] = {}
+        for share, progress in zip(shares, folders, strict=True):
+            outcomes.update(_collect(step, share, progress, failure, timed_out, timeout_s))
+        return {job: outcomes[job] for job in jobs}
+
+
+def _shares(jobs: list[VerifyJob], platform: str | None) -> list[list[VerifyJob]]:
+    """The jobs split over the workers: one worker per core up to `MAX_WORKERS`, each with at
+    least `MIN_SHAPES_PER_WORKER` distinct batch shapes. What costs is compiling the step for
+    a shape (about 1 to 3 s each; a job whose shape a worker has seen reuses the compiled
+    program in a few ms), so jobs of one shape ([R, M, B, T] and dtype) stay in one worker and
+    the shapes are dealt out in turn. An accelerator platform gets one worker: its devices are
+    not for sharing between processes."""
+    by_shape: dict[tuple, list[VerifyJob]] = {}
+    for job in jobs:
+        rows, width = builtin_fixture(job.fixture).targets.shape
+        key = (rows, width, job.world_size, job.accum_steps, job.dtype, job.row_fields)
+        by_shape.setdefault(key, []).append(job)
+    cores = os.cpu_count() or 1
+    workers = 1 if (platform or "cpu") != "cpu" else min(MAX_WORKERS, cores)
+    workers = max(1, min(workers, len(by_shape) // MIN_SHAPES_PER_WORKER))
+    shares: list[list[VerifyJob]] = [[] for _ in range(workers)]
+    for index, group in enumerate(by_shape.values()):
+        shares[index % workers].extend(group)
+    return shares
