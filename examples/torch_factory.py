@@ -5,7 +5,8 @@ Mirrors the common hand-written trainer that owns its setup: it builds the model
 it through the signature: a first parameter named ``model_factory`` gets a factory of fresh
 unwrapped models (the step returns the wrapped one), and an ``optimizer`` parameter gets
 ``torch.optim.SGD(params, lr=1.0)`` over the first model's parameters, so the harness reads
-the update as params before minus params after: the gradient itself. (A wrapper that replaces
+the update SGD applied (the ``.grad`` it stepped with, checked against params before minus
+params after): the gradient itself. (A wrapper that replaces
 the parameters, as FSDP2's ``fully_shard`` does, needs an optimizer built after wrapping: such
 a step builds its own and takes no ``optimizer``; the harness then reads ``.grad``.)
 

@@ -120,3 +120,15 @@ def bf16_compute(params: Any, apply_fn: Callable, batch: dict[str, Any], mesh: A
         return jnp.sum(losses) / jnp.sum(valid)
 
     return jax.jit(jax.grad(loss))(params)
+
+
+def dies_on_one_sleeps_on_others(
+    params: Any, apply_fn: Callable, batch: dict[str, Any], mesh: Any
+) -> Any:
+    """Kills its process at once on ragged R=1 M=2; takes 1.5 s on packed, then is correct."""
+    job = _job(batch)
+    if job == ("ragged", 1, 2):
+        os._exit(3)
+    if job[0] == "packed":
+        time.sleep(1.5)
+    return correct_grads(params, apply_fn, batch)

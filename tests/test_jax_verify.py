@@ -137,6 +137,22 @@ def test_a_good_job_among_broken_ones_keeps_its_result(misbehaving: tuple) -> No
     assert _err(grads, GOOD, "token_mean") < FLOAT64_RTOL
 
 
+def test_a_worker_that_dies_leaves_the_others_running(in_root: None) -> None:
+    """Six shapes: two workers (on two cores or more), dealt in turn. The second dies at once
+    on its second job; the first, still in its slow jobs then, runs on to the end: every one
+    of its jobs has its gradient, and only the dead worker's jobs say it died."""
+    first = [_job("packed", 2, 1), _job("packed", 2, 2), _job("ragged", 2, 1)]
+    second = [_job("packed", 1, 2), _job("ragged", 1, 2), _job("ragged", 2, 2)]
+    jobs = [job for pair in zip(first, second, strict=True) for job in pair]
+    shares = jax_verify._shares(jobs, "cpu")
+    assert len(shares) == 2 and shares == [first, second]
+    outcomes, _ = _timed_run("tests.jax_verify_steps:dies_on_one_sleeps_on_others", jobs, 60)
+    for job in first + second[:1]:
+        assert _err(_grads(outcomes[job], job), job, "token_mean") < FLOAT64_RTOL
+    assert "worker died while running this job" in str(outcomes[second[1]])
+    assert "worker died before this job ran" in str(outcomes[second[2]])
+
+
 def test_a_hang_is_killed_and_the_finished_jobs_keep_their_results(in_root: None) -> None:
     done = [_job("packed", 1, 1), _job("packed", 2, 2)]
     hung, never_ran = _job("ragged", 2, 1), _job("ragged", 1, 2)

@@ -40,6 +40,7 @@ from torch_impl.model import BilinearLM
 from torch_impl.optimizers import make_optimizer
 from torch_impl.partial import PartialAccumulation
 from torch_impl.resume import load_checkpoint, restore
+from torch_impl.spec import get_spec
 
 SETTINGS = TrainSettings(num_updates=NUM_UPDATES, optimizer=ADAMW, max_grad_norm=MAX_GRAD_NORM)
 GRID = resume_grid("torch-ddp")
@@ -100,7 +101,7 @@ def _rewrite(source: Path, target: Path, edit) -> None:
 
 def _mutant_source(update_case) -> str | None:
     """The strategy of a round-2 resume that continues a mutant source's checkpoint, or None."""
-    if update_case.resume_from is None or update_case.scheme_name != "token_mean":
+    if update_case.resume_from is None or get_spec(update_case.scheme).name != "token_mean":
         return None
     manifest = checkpoint.read_manifest(update_case.resume_from)
     ragged = builtin_fixture("ragged").targets

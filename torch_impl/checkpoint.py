@@ -39,7 +39,10 @@ from torch import nn
 
 from torch_impl.partial import PartialAccumulation
 
-FORMAT_VERSION = 1
+#: 2: a rank's share of D rides on its last microbatch (a partial window's local sum of d is
+#: 0; format 1 held the microbatches' own d, which a format-2 resume would count twice), and
+#: ``scheme`` is the spec's JSON form, so that two specs under one name are told apart.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 _STAGING_SUFFIX = ".incomplete"
 
@@ -58,6 +61,7 @@ class Manifest:
     world_size: int
     accum_steps: int
     strategy: str
+    #: The scheme spec's JSON form (``SchemeSpec.to_dict``, keys sorted), its name included.
     scheme: str
     dtype: str
     #: Parameter name -> shape.

@@ -181,9 +181,9 @@ def get_scheme(scheme: str | SchemeSpec) -> SchemeSpec:
 def is_v1_scheme(scheme: SchemeSpec) -> bool:
     """Whether `scheme` is one of contract v1's, by name and content (`SCHEMES`, ``constant:C``).
 
-    Such a scheme is judged on v1's fixtures by default (``crosscheck verify``), and the torch
-    and JAX references compute it by their v1 code; every other spec (``spec:token_mean``
-    included) by their spec code."""
+    Such a scheme is judged on v1's fixtures by default (``crosscheck verify``, where another
+    spec also gets contract v2's fixtures), and JAX computes it by its v1 code, every other
+    spec by its spec code (torch computes every scheme as a spec)."""
     try:
         return get_scheme(scheme.name) == scheme
     except ValueError:

@@ -185,11 +185,12 @@ def explain(diagnosis: Diagnosis) -> tuple[str, str]:
                 f"arithmetic looks bf16 (autocast, or a cast inside the model), though its "
                 f"params and gradient are {d.dtype}."
             )
+            soft = " or soft weights ignored" if d.intended == "weighted_mean" else ""
             return text, (
                 "if the step computes in bf16 on purpose, judge it at that level: rerun with "
                 "--precision bfloat16 (verify(..., precision='bfloat16')); if it does not, "
                 "something of that size changes the weights inside each document (label "
-                "smoothing, other params)"
+                f"smoothing, other params{soft}), and at bf16-level that would pass unseen"
             )
         soft = (
             " (soft weights ignored or changed, for weighted_mean)"

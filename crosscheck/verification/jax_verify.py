@@ -187,13 +187,20 @@ def run(
                 env=env,
                 cwd=cwd,
                 kill_wait_s=KILL_WAIT_S,
+                independent=True,
             )
         except Exception as error:  # LaunchError: killed at the deadline, or died on its own
             failure = error
         timed_out = bool(getattr(failure, "timed_out", False))
+        failed = dict(getattr(failure, "failed", {}) or {})
         outcomes: dict[VerifyJob, Outcome] = {}
-        for share, progress in zip(shares, folders, strict=True):
-            outcomes.update(_collect(step, share, progress, failure, timed_out, timeout_s))
+        for index, (share, progress) in enumerate(zip(shares, folders, strict=True)):
+            # The workers are independent: one that died leaves the others running to their
+            # end, whose jobs then all have results. Only a timeout stops every worker.
+            died = index in failed
+            cause = failure if timed_out or died else None
+            late = timed_out and not died
+            outcomes.update(_collect(step, share, progress, cause, late, timeout_s))
         return {job: outcomes[job] for job in jobs}
 
 
@@ -209,7 +216,9 @@ def _shares(jobs: list[VerifyJob], platform: str | None) -> list[list[VerifyJob]
         rows, width = builtin_fixture(job.fixture).targets.shape
         key = (rows, width, job.world_size, job.accum_steps, job.dtype, job.row_fields)
         by_shape.setdefault(key, []).append(job)
-    cores = os.cpu_count() or 1
+    # The cores this process may run on (a cgroup or taskset may give fewer than the machine's).
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
     workers = 1 if (platform or "cpu") != "cpu" else min(MAX_WORKERS, cores)
     workers = max(1, min(workers, len(by_shape) // MIN_SHAPES_PER_WORKER))
     shares: list[list[VerifyJob]] = [[] for _ in range(workers)]

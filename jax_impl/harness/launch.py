@@ -204,11 +204,15 @@ def run_workers(
     cwd: str | Path | None = None,
     zygote: Zygote | None = None,
     kill_wait_s: float = KILL_WAIT_S,
+    independent: bool = False,
 ) -> list[WorkerResult]:
     """Run every command as its own process group; return when all exited with status 0.
 
     Raises LaunchError, after killing the survivors, when any worker exits non-zero (within
-    `POLL_INTERVAL_S` of its death) or when `timeout_s` passes first. Returns or raises at most
+    `POLL_INTERVAL_S` of its death) or when `timeout_s` passes first. `independent` workers
+    (no collective between them: one's death cannot hang another) are not stopped when one
+    fails: the others run on to their end or the deadline, and the LaunchError comes then,
+    `timed_out` when some were still running at the deadline. Returns or raises at most
     ``timeout_s + POLL_INTERVAL_S + kill_wait_s`` after the call (a SIGKILL lands in
     milliseconds; `kill_wait_s` bounds a process the kernel is slow to take down). On every
     exit path each worker's process group, with whatever the worker started, is killed before
@@ -255,6 +259,10 @@ def run_workers(
         while True:
             codes = [p.poll() for p in processes]
             failed = {i: rc for i, rc in enumerate(codes) if rc not in (None, 0)}
+            running = [i for i, rc in enumerate(codes) if rc is None]
+            if failed and independent and running and time.monotonic() <= deadline:
+                time.sleep(POLL_INTERVAL_S)  # the others are not waiting on the failed one
+                continue
             if failed:
                 what = "; ".join(
                     f"worker {i} (pid {processes[i].pid}) {describe_status(rc)}"
@@ -272,7 +280,8 @@ def run_workers(
             stop_groups(processes, wait_s=kill_wait_s)
             stopped = True
             details = _describe(processes, codes, [err for _, err in paths])
-            raise LaunchError(f"{why}\n{details}", failed=failed, timed_out=not failed)
+            late = bool(running) and time.monotonic() > deadline
+            raise LaunchError(f"{why}\n{details}", failed=failed, timed_out=not failed or late)
     finally:
         # Every exit path, the normal one too: a worker that exited 0 may have left children.
         # (Not twice: a second wait for a group the kernel is slow to take down would double

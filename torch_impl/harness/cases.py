@@ -17,6 +17,7 @@ resumed run's params can be compared with an uninterrupted run's (``torch_impl.c
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -108,9 +109,10 @@ class UpdateCase(BatchJob):
         self._check_stop()
 
     @property
-    def scheme_name(self) -> str:
-        """The spec's name (a checkpoint records it, and refuses another on resume)."""
-        return get_spec(self.scheme).name
+    def scheme_key(self) -> str:
+        """The spec's JSON form: a checkpoint records it, and refuses another on resume (two
+        specs under one name, or two names for one spec, are different schemes there)."""
+        return json.dumps(get_spec(self.scheme).to_dict(), sort_keys=True)
 
     def _check_stop(self) -> None:
         stops = self.stop_after_updates is not None
@@ -251,7 +253,7 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
             world_size=world_size,
             accum_steps=case.accum_steps,
             strategy=case.strategy,
-            scheme=case.scheme_name,
+            scheme=case.scheme_key,
             dtype=case.dtype,
         )
         partial = restore(state, model, optimizer)
@@ -325,7 +327,7 @@ def _stop_and_save(
         updates_done=case.stop_after_updates,
         accum_steps=case.accum_steps,
         strategy=case.strategy,
-        scheme=case.scheme_name,
+        scheme=case.scheme_key,
         partial=partial,
     )
     # The run ends here; its partial gradient is in the checkpoint, not for the next case.

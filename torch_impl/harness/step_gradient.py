@@ -59,10 +59,17 @@ _LEVEL_OF_DTYPE = {
 
 def returned_dtype(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
     """The coarsest precision level among the dtypes of the gradient the step left: of the
-    parameters' ``.grad`` (or, with an optimizer, of the parameters it stepped)."""
+    trained parameters' ``.grad`` (or, with an optimizer, of the parameters it stepped). A
+    frozen parameter is no part of the gradient, and its dtype says nothing about it."""
+    held = (
+        None
+        if optimizer is None
+        else {id(p) for group in optimizer.param_groups for p in group["params"]}
+    )
     levels = {
         _LEVEL_OF_DTYPE.get(tensor.dtype, "float64")
         for param in model.parameters()
+        if param.requires_grad and (held is None or id(param) in held)
         if (tensor := param if optimizer is not None else param.grad) is not None
     }
     return next((level for level in ("bfloat16", "float32") if level in levels), "float64")
