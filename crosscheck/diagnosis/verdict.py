@@ -93,6 +93,23 @@ def auto_levels(dtype: str) -> tuple[str, ...]:
     return ("float64", "float32", "bfloat16") if dtype == "bfloat16" else ("float64", "float32")
 
 
+#: The level a gradient of each floating dtype is judged at: float16's 11 significant bits lie
+#: between bf16's 8 and float32's 24, and are judged at bf16-level (the coarser: a float16
+#: step's rounding is never taken for a weighting error).
+LEVEL_OF_DTYPE = {
+    "float64": "float64",
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "bfloat16",
+}
+
+
+def level_of_dtypes(dtypes: Iterable[str]) -> str | None:
+    """The coarsest level of the floating dtypes a step's gradient came back in (their names:
+    "float32", "bfloat16", ...; others are ignored), or None when there is none."""
+    return coarsest_level(LEVEL_OF_DTYPE.get(name) for name in dtypes)
+
+
 def coarsest_level(levels: Iterable[str | None]) -> str | None:
     """The coarsest of `levels` (None where none is known)."""
     known = [level for level in levels if level is not None]

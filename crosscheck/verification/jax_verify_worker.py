@@ -27,7 +27,7 @@ import pickle
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import numpy as np
 
 from crosscheck.contract.fixture import Fixture
 from crosscheck.contract.row_fields import ROW_FIELD_KEYS
+from crosscheck.diagnosis.verdict import level_of_dtypes
 from crosscheck.launch.workers import write_atomically
 from crosscheck.verification.protocol import VerifyJob, take_logged_denominator
 from crosscheck.verification.step_check import takes_optimizer
@@ -222,16 +223,6 @@ def read_gradient(
     return grads
 
 
-def returned_dtype(leaves: Iterable[Any]) -> str:
-    """The coarsest precision level among the dtypes of the step's returned leaves: bf16-level
-    for bfloat16 and float16 (float16's 11 significant bits, judged at the coarser level so
-    that its rounding is never taken for a weighting error), then float32, else float64."""
-    names = {str(getattr(leaf, "dtype", "float64")) for leaf in leaves}
-    if names & {"bfloat16", "float16"}:
-        return "bfloat16"
-    return "float32" if "float32" in names else "float64"
-
-
 def _named_tree(params: Any, out: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, Any]]:
     """The user's params' leaf shapes and the step's returned tree, both by pytree path."""
     from jax_impl.harness.model_reference import named_leaves
@@ -269,7 +260,7 @@ def run_job(
         else:
             expected = {name: tuple(np.shape(params[name])) for name in PARAM_NAMES}
         grads = read_gradient(out, expected, job.world_size)
-        returned = returned_dtype(out[name] for name in expected)
+        returned = level_of_dtypes(str(getattr(out[name], "dtype", "")) for name in expected)
     except ValueError as error:
         return "error", f"{where}: the returned {what} {error}"
     except Exception as error:  # computing a lazy result can raise too (e.g. an XLA error)

@@ -135,8 +135,9 @@ class VerifyOutput:
 
     grads: dict[str, np.ndarray]
     logged_denominator: float | None = None
-    #: The coarsest floating dtype the step's gradient came back in, before the float64
-    #: copy ("bfloat16" for a bf16 or float16 one), or None where the harness cannot tell.
+    #: The level of the coarsest floating dtype the step's gradient came back in, before the
+    #: float64 copy (``crosscheck.diagnosis.verdict.level_of_dtypes``: "bfloat16" for a bf16
+    #: or float16 one), or None where the harness cannot tell.
     #: A step that casts its model to bf16 itself returns a bf16 gradient: judged as a bf16
     #: step (``crosscheck.diagnosis.verdict.auto_levels``) whatever dtype it was handed.
     returned_dtype: str | None = None

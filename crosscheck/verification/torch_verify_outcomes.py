@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from crosscheck.diagnosis.verdict import coarsest_level
+from crosscheck.diagnosis.verdict import level_of_dtypes
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.step_check import MAIN_RERUN_EXIT
 
@@ -110,7 +110,7 @@ def judge(
     return VerifyOutput(
         grads=per_rank[0],
         logged_denominator=outcomes[0].logged_denominator,
-        returned_dtype=coarsest_level(o.returned_dtype for o in outcomes),
+        returned_dtype=level_of_dtypes(name for o in outcomes for name in o.gradient_dtypes),
     )
 
 

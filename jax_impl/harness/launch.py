@@ -272,7 +272,6 @@ def run_workers(
             elif all(rc == 0 for rc in codes):
                 break
             elif time.monotonic() > deadline:
-                running = [i for i, rc in enumerate(codes) if rc is None]
                 why = f"worker(s) {running} still running after {timeout_s:.0f} s; all stopped"
             else:
                 time.sleep(POLL_INTERVAL_S)

@@ -229,6 +229,8 @@ def _finest_dtype(
     batch = next(iter(request["fixtures"].values()))[0]
     row = _rows(batch, slice(0, 1))
     try:
+        # A model of its own, dropped after: a forward in train mode may change a model's
+        # state (a buffer, running statistics), and the reference starts from the factory's.
         with torch.no_grad():
             forward(fresh_model(factory, request["model"], torch.float64), row)
     except RuntimeError as error:

@@ -46,33 +46,25 @@ def _unwrapped_name(name: str) -> str:
     return name
 
 
-#: The precision level each floating dtype of a returned gradient is judged at: float16's
-#: 11 significant bits lie between bf16's 8 and float32's 24, and are judged at bf16-level
-#: (the coarser: a float16 step's rounding is never taken for a weighting error).
-_LEVEL_OF_DTYPE = {
-    torch.float64: "float64",
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "bfloat16",
-}
-
-
-def returned_dtype(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> str:
-    """The coarsest precision level among the dtypes of the gradient the step left: of the
-    trained parameters' ``.grad`` (or, with an optimizer, of the parameters it stepped). A
-    frozen parameter is no part of the gradient, and its dtype says nothing about it."""
+def gradient_dtypes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[str, ...]:
+    """The dtypes ("float32", "bfloat16", ...) of the gradient the step left: of the trained
+    parameters' ``.grad`` (or, with an optimizer, of the parameters it stepped). A frozen
+    parameter is no part of the gradient, and its dtype says nothing about it."""
     held = (
         None
         if optimizer is None
         else {id(p) for group in optimizer.param_groups for p in group["params"]}
     )
-    levels = {
-        _LEVEL_OF_DTYPE.get(tensor.dtype, "float64")
-        for param in model.parameters()
-        if param.requires_grad and (held is None or id(param) in held)
-        if (tensor := param if optimizer is not None else param.grad) is not None
-    }
-    return next((level for level in ("bfloat16", "float32") if level in levels), "float64")
+    return tuple(
+        sorted(
+            {
+                str(tensor.dtype).removeprefix("torch.")
+                for param in model.parameters()
+                if param.requires_grad and (held is None or id(param) in held)
+                if (tensor := param if optimizer is not None else param.grad) is not None
+            }
+        )
+    )
 
 
 def _applied_update(param: nn.Parameter, before: np.ndarray) -> np.ndarray:
@@ -96,7 +88,7 @@ def _applied_update(param: nn.Parameter, before: np.ndarray) -> np.ndarray:
         # smallest subnormal at 0): a bound with a factor 2 to spare.
         info = torch.finfo(param.dtype)
         bound = info.eps * after.abs() + info.smallest_normal
-        if grad.shape == delta.shape and bool(((delta - grad).abs() <= bound).all()):
+        if bool(((delta - grad).abs() <= bound).all()):
             return grad.numpy().copy()
     return delta.numpy()
 

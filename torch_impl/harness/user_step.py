@@ -58,7 +58,7 @@ from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, rank_microbatches
 from torch_impl.harness.jobs import BatchJob
 from torch_impl.harness.model_reference import ModelSetupError, fresh_model, load_callable
 from torch_impl.harness.rank_worker import finish_rank, write_atomic, write_pickle
-from torch_impl.harness.step_gradient import StepResultError, read_grads, returned_dtype
+from torch_impl.harness.step_gradient import StepResultError, gradient_dtypes, read_grads
 from torch_impl.model import BilinearLM
 
 #: Error kinds of a RankOutcome, most telling first: the harness reports the first it finds.
@@ -118,8 +118,8 @@ class RankOutcome:
     kind: str = ""
     #: What the step passed to ``crosscheck.log_denominator`` on this rank (its last value).
     logged_denominator: float | None = None
-    #: The coarsest precision level of the gradient's dtypes (``step_gradient.returned_dtype``).
-    returned_dtype: str | None = None
+    #: The dtypes of the gradient the step left (``step_gradient.gradient_dtypes``).
+    gradient_dtypes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,7 +268,7 @@ def run_job(
             rank,
             grads,
             logged_denominator=_take_logged_denominator(),
-            returned_dtype=returned_dtype(model, optimizer),
+            gradient_dtypes=gradient_dtypes(model, optimizer),
         )
     except StepResultError as error:
         return RankOutcome(rank, None, f"after the step: {error}", RESULT)
