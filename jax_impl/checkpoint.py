@@ -3,7 +3,7 @@
 A checkpoint holds the train state of `jax_impl.train_state` (params, optax state, the number of
 complete updates and, for a stop inside a window, the per-rank partial sums) as one orbax
 composite item: ``state`` (arrays, written by orbax's StandardCheckpointHandler) and ``meta``
-(JSON: scheme, strategy, layout, dtype, a fingerprint of the global batch, progress).
+(JSON: the scheme spec, strategy, layout, dtype, a fingerprint of the global batch, progress).
 
 Atomicity is orbax's (local paths use its AtomicRenameTemporaryPath): a save writes
 ``<name>.orbax-checkpoint-tmp/`` and renames it to ``<name>/`` only after every item in it is
@@ -30,10 +30,14 @@ from typing import Any
 
 import numpy as np
 
-CHECKPOINT_FORMAT = 1
-"""Version of the layout below; bumped when a field changes meaning."""
+CHECKPOINT_FORMAT = 2
+"""Version of the layout below; bumped when a field changes meaning (2: ``scheme`` holds the
+scheme spec's JSON; a partial window holds no d channels, they are recomputed from the labels)."""
 
+#: The arrays a fingerprint reads: the token arrays always, the v2 row and token fields when
+#: the batch has them (`jax_impl.batch`).
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "weights")
+OPTIONAL_KEYS = ("group_ids", "document_ids", "row_weights", "sample_mask")
 
 
 class CheckpointError(ValueError):
@@ -84,7 +88,7 @@ def batch_fingerprint(batch: Mapping[str, np.ndarray]) -> str:
     that an error instead of a silently different run.
     """
     digest = hashlib.sha256()
-    for key in BATCH_KEYS:
+    for key in (*BATCH_KEYS, *(k for k in OPTIONAL_KEYS if k in batch)):
         array = np.ascontiguousarray(batch[key])
         digest.update(f"{key}:{array.dtype.str}:{array.shape}".encode())
         digest.update(array.tobytes())

@@ -3,9 +3,10 @@ r"""The dtype a denominator lives in, and sums of soft weights that round once, 
 The rule (whatever the params' dtype, float64, float32 or bfloat16):
 
 - **Counts** (valid tokens, segments, rows, slots) are int32 from the labels to the end and
-  are converted to a float exactly once, in `jax_impl.schemes.global_denominator`, after every
-  reduction over microbatches and ranks: exact up to :math:`2^{31}-1` (a float32 count stops
-  being exact past :math:`2^{24}`, a bfloat16 one past :math:`2^8`). Past :math:`2^{31}` valid
+  are converted to a float exactly once, when a unit's D is assembled
+  (`jax_impl.accumulate.unit_denominator`), after every reduction over microbatches and ranks:
+  exact up to :math:`2^{31}-1` (a float32 count stops being exact past :math:`2^{24}`, a
+  bfloat16 one past :math:`2^8`). Past :math:`2^{31}` valid
   tokens in one update the int32 sum wraps around (XLA integer addition is two's complement)
   and D is garbage; that is ~100x the largest global batches trained today (16M tokens), and
   a step that needs it must carry the count in int64 (``jax_enable_x64``) or as two int32
@@ -27,7 +28,7 @@ The rule (whatever the params' dtype, float64, float32 or bfloat16):
   float32 sum of n weights is off by up to :math:`n u` relative (the float32-count bug of
   docs/bugs.md, once W passes :math:`2^{24}`).
 
-The weights themselves are read in the denominator dtype (`weights_for_denominator`); a batch
+The weights themselves are read in the denominator dtype (`jax_impl.spec_counts`); a batch
 whose weights are already narrower than float32 is refused, since their rounding cannot be
 undone here.
 """
@@ -75,12 +76,6 @@ def check_weights_dtype(dtype: jnp.dtype | type | str) -> None:
         "bits, and so would be the weighted mean's denominator sum w_t. Lay the batch out with "
         "weights_dtype=float32 (or float64), whatever the params' dtype.",
     )
-
-
-def weights_for_denominator(weights: jax.Array) -> jax.Array:
-    """The soft weights w_t in the denominator dtype; refuses weights narrower than float32."""
-    check_weights_dtype(weights.dtype)
-    return jnp.asarray(weights).astype(denominator_dtype())
 
 
 class ExactSum(NamedTuple):
@@ -149,7 +144,7 @@ def divide_by_denominator(grad_sums: Any, safe_D: jax.Array) -> Any:
 
     With bfloat16 gradients the quotient is formed in float32 (or float64) and rounded once
     into bfloat16, instead of rounding D to 8 bits first (`safe_D`: D > 0, see
-    `jax_impl.schemes.safe_denominator`).
+    `safe_denominator`).
     """
 
     def divide(g: jax.Array) -> jax.Array:
@@ -157,3 +152,9 @@ def divide_by_denominator(grad_sums: Any, safe_D: jax.Array) -> Any:
         return (g.astype(dtype) / safe_D.astype(dtype)).astype(g.dtype)
 
     return jax.tree.map(divide, grad_sums)
+
+
+def safe_denominator(D: jax.Array) -> jax.Array:
+    """D where D > 0, else 1. D = 0 only when every a_t of the unit is 0, so the numerator
+    is exactly 0 and 0 / 1 = 0 is the objective's value; 0 / 0 would be NaN (and NaN grads)."""
+    return jnp.where(D > 0, D, jnp.ones_like(D))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from jax_impl.losses import Microbatch
+from jax_impl.batch import BATCH_KEYS, Batch
 
 
 def require_devices(world_size: int) -> list[jax.Device]:
@@ -28,10 +28,9 @@ def require_devices(world_size: int) -> list[jax.Device]:
     return devices[:world_size]
 
 
-def check_rank_axis(batch: Microbatch, world_size: int, where: str) -> None:
-    """Every token array of `batch` must be [R, M, B, T] with R = world_size (a
-    `jax_impl.spec_batch.SpecBatch` is checked by the same four fields)."""
-    for name in Microbatch._fields:
+def check_rank_axis(batch: Batch, world_size: int, where: str) -> None:
+    """Every token array of `batch` must be [R, M, B, T] with R = world_size."""
+    for name in BATCH_KEYS:
         shape: Sequence[int] = np.shape(getattr(batch, name))
         if len(shape) != 4 or shape[0] != world_size:
             raise ValueError(

@@ -9,6 +9,8 @@ microbatches; global microbatch m holds every rank's microbatch m ([R, B, T]).
 precount: D from the labels of all R M microbatches first, then
 :math:`\sum_m \nabla \big(\sum_{r,t \in m} a_t l_t / D\big)`.
 postnorm: :math:`\big(\sum_m \nabla \sum_{r,t \in m} a_t l_t\big) / D`.
+For a spec whose scope U is rank or microbatch, each unit's scale 1 / (K D_u) is applied where
+its sums are formed (there is no reduction to postpone).
 
 Dtypes as in `jax_impl.denominators`: the count sum is int32 and converted once; the weight
 sum is an `ExactSum` pair in the denominator dtype (float64 under x64, else float32), first
@@ -19,24 +21,35 @@ dtype, the gradient in the params' dtype.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 
-from jax_impl.accumulate import Collective, Strategy
-from jax_impl.denominators import denominator_dtype, divide_by_denominator, exact_sum
-from jax_impl.losses import Microbatch, token_losses
-from jax_impl.model import Params, logits_fn
-from jax_impl.schemes import (
-    IGNORE_INDEX,
-    Scheme,
-    global_denominator,
-    safe_denominator,
-    scheme_terms,
+from jax_impl.accumulate import (
+    Collective,
+    Strategy,
+    local_denominators,
+    unit_count,
+    unit_denominator,
+    unit_scale,
+    update_channels,
 )
+from jax_impl.batch import IGNORE_INDEX, Batch
+from jax_impl.denominators import (
+    denominator_dtype,
+    divide_by_denominator,
+    exact_sum,
+    safe_denominator,
+)
+from jax_impl.losses import TokenLossesFn, token_losses
+from jax_impl.model import Params, logits_fn
 from jax_impl.shard_map_step import mesh_sweep, mesh_update
+from jax_impl.spec import SchemeSpec
+from jax_impl.spec_counts import rank_spec_terms
 from jax_impl.update import (
     GradientsFn,
     ReducedGradients,
@@ -48,64 +61,165 @@ from jax_impl.update import (
 )
 
 
-def global_gradients(
+class GlobalPlan(NamedTuple):
+    """The labels-only part of a global-view update: a_t [R, M, B, T], each (rank, microbatch)'s
+    scale [R, M] and D (or D_u) per (rank, microbatch) [R, M]."""
+
+    token_weights: jax.Array
+    scale: jax.Array
+    denominators: jax.Array
+
+
+def global_plan(
+    batch: Batch, spec: SchemeSpec, strategy: Strategy, axis_name: str = "data"
+) -> GlobalPlan:
+    """The per-rank terms under ``vmap(axis_name=...)``, so that their psums are sums over the
+    rank axis: a_t, and the scale 1 / D (U = update; 1 in postnorm, where D divides after)
+    or 1 / (K D_u) (U = rank or microbatch: no reduction to postpone)."""
+    R, M = batch.targets.shape[:2]
+    K = unit_count(spec, R, M)
+
+    def per_rank(rank_batch: Batch):
+        join = functools.partial(update_channels, axis_name=axis_name)
+        terms, reduced = rank_spec_terms(spec, rank_batch, axis_name, join)
+        if spec.scope == "update":
+            D = unit_denominator(spec, reduced[0], exact_sum(reduced[1]), terms.parts)
+            scale = unit_scale(D, 1, 1)
+            D_units = jnp.broadcast_to(D, (M,))
+        else:
+            D_units = jnp.broadcast_to(local_denominators(spec, terms.parts), (M,))
+            scale = unit_scale(D_units, 1, K)
+        return terms.token_weights, jnp.broadcast_to(scale, (M,)), D_units
+
+    a, scale, D_units = jax.vmap(per_rank, axis_name=axis_name)(batch)  # [R, M, ...]
+    if strategy is Strategy.POSTNORM and spec.scope == "update":
+        scale = jnp.ones_like(scale)
+    return GlobalPlan(a, scale, D_units)
+
+
+@functools.partial(jax.jit, static_argnames=("one_scale", "token_losses_fn"))
+def global_accumulate(
     params: Params,
-    batch: Microbatch,
-    scheme: jax.Array | Scheme,
-    constant_normalizer: jax.Array | float,
+    batch: Batch,
+    token_weights: jax.Array,
+    scale: jax.Array,
     *,
-    strategy: Strategy = Strategy.PRECOUNT,
-) -> ReducedGradients:
-    """The gradient of one update over the global [R, M, B, T] batch (see the module doc)."""
-    terms = scheme_terms(scheme, batch.targets, batch.segment_ids, batch.weights)
+    one_scale: bool,
+    token_losses_fn: TokenLossesFn | None = None,
+) -> tuple[Params, jax.Array, jax.Array]:
+    """One scan over the M global microbatches: the gradient of sum over ranks of
+    (sum a l)_{rm} * scale_{rm}, and per rank the sums of (sum a l)_{rm} and of it scaled.
+
+    `one_scale` (U = update): the scale is one scalar, sum_r (sum a l)_r times it.
+    jit-wrapped so that its trace is cached per shape and shared by the configs of a sweep."""
+    R = batch.targets.shape[0]
     dtype = denominator_dtype()
-    # Per rank first ([R, M] -> [R]), then over the R ranks: the same pairs, in the same
-    # grouping, as the collective front-ends, so every front-end's D is the same number.
-    rank_weight_sums = exact_sum(terms.weight_sum, axis=1)
-    D = global_denominator(
-        scheme,
-        jnp.sum(terms.count, dtype=jnp.int32),  # exact up to 2^31 - 1, then wraps
-        exact_sum(rank_weight_sums),
-        constant_normalizer,
-    )
-    safe_D = safe_denominator(D)
-    scale = 1 / safe_D if strategy is Strategy.PRECOUNT else jnp.ones((), dtype)
 
-    def scaled_loss(p: Params, inputs: jax.Array, targets: jax.Array, a: jax.Array):
-        """(sum over [R, B, T] of a_t l_t) * scale, and the per-rank sums [R] as aux.
-
-        a_t l_t in the loss dtype, the sums in the denominator dtype."""
-        losses = token_losses(logits_fn(p, inputs), targets)
-        per_rank = jnp.sum(a.astype(losses.dtype) * losses, axis=(1, 2), dtype=dtype)
-        return jnp.sum(per_rank) * scale, per_rank
+    def scaled_loss(p: Params, inputs, targets, weights, s, segment_ids):
+        if token_losses_fn is None:
+            losses = token_losses(logits_fn(p, inputs), targets)
+        else:  # the model's l_t reads [B, T] rows: every rank's rows of microbatch m at once
+            rows = [x.reshape(-1, x.shape[-1]) for x in (inputs, targets, segment_ids)]
+            losses = token_losses_fn(p, *rows).reshape(targets.shape)
+        per_rank = jnp.sum(weights.astype(losses.dtype) * losses, axis=(1, 2), dtype=dtype)
+        if one_scale:
+            return jnp.sum(per_rank) * s[0], (per_rank, per_rank * s)
+        return jnp.sum(per_rank * s), (per_rank, per_rank * s)
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
     def micro_step(carry, xs):
-        grads_acc, rank_sums_acc = carry
-        grads, rank_sums = grad_fn(params, *xs)
-        return (jax.tree.map(jnp.add, grads_acc, grads), rank_sums_acc + rank_sums), None
+        grads_acc, raw_acc, scaled_acc = carry
+        grads, (raw, scaled) = grad_fn(params, *xs)
+        return (jax.tree.map(jnp.add, grads_acc, grads), raw_acc + raw, scaled_acc + scaled), None
 
-    world_size = batch.targets.shape[0]
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((world_size,), dtype))
+    zeros = jnp.zeros((R,), dtype)
+    init = (jax.tree.map(jnp.zeros_like, params), zeros, zeros)
+    xs = (batch.inputs, batch.targets, token_weights, scale, batch.segment_ids)
     # [R, M, ...] -> [M, R, ...]: the scan walks the microbatches, every rank's at once.
-    xs = jax.tree.map(
-        lambda x: jnp.swapaxes(x, 0, 1), (batch.inputs, batch.targets, terms.token_weights)
-    )
-    (grads, rank_sums), _ = jax.lax.scan(micro_step, init, xs)
-    if strategy is Strategy.POSTNORM:
-        grads = divide_by_denominator(grads, safe_D)
+    xs = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), xs)
+    (grads, raw, scaled), _ = jax.lax.scan(micro_step, init, xs)
+    return grads, raw, scaled
+
+
+def global_finish(
+    spec: SchemeSpec,
+    strategy: Strategy,
+    plan: GlobalPlan,
+    sums: tuple[Params, jax.Array, jax.Array],
+    batch: Batch,
+) -> ReducedGradients:
+    """The division by D that postnorm postponed (U = update), and the metrics."""
+    grads, raw, scaled = sums
+    R, M = batch.targets.shape[:2]
+    valid = jnp.sum(batch.targets != IGNORE_INDEX, axis=(1, 2, 3), dtype=jnp.int32)
+    if spec.scope == "update":
+        D = plan.denominators[0, 0]
+        if strategy is Strategy.POSTNORM:
+            grads = divide_by_denominator(grads, safe_denominator(D))
+            grads = jax.tree.map(lambda g: jnp.where(D > 0, g, jnp.zeros_like(g)), grads)
+        loss = jnp.where(D > 0, jnp.sum(raw) / safe_denominator(D), 0)
+        return ReducedGradients(grads, valid, raw, D, loss)
+    K = unit_count(spec, R, M)
     return ReducedGradients(
-        grads=grads,
-        rank_valid_tokens=jnp.sum(batch.targets != IGNORE_INDEX, axis=(1, 2, 3), dtype=jnp.int32),
-        rank_loss_sums=rank_sums,
-        global_denominator=D,
-        loss=jnp.sum(rank_sums) / safe_D,
+        grads, valid, scaled * K, jnp.asarray(K, denominator_dtype()), jnp.sum(scaled)
     )
+
+
+def global_gradients(
+    params: Params,
+    batch: Batch,
+    spec: SchemeSpec,
+    *,
+    strategy: Strategy = Strategy.PRECOUNT,
+    axis_name: str = "data",
+    token_losses_fn: TokenLossesFn | None = None,
+) -> ReducedGradients:
+    """The gradient of one update over the global [R, M, B, T] batch (see the module doc):
+    `global_plan`, `global_accumulate`, `global_finish`."""
+    plan = global_plan(batch, spec, strategy, axis_name)
+    sums = global_accumulate(
+        params, batch, plan.token_weights, plan.scale, one_scale=spec.scope == "update",
+        token_losses_fn=token_losses_fn,
+    )  # fmt: skip
+    return global_finish(spec, strategy, plan, sums, batch)
+
+
+def _global_sweep(
+    configs: Sequence[StepConfig], params: Sequence[Params], batch: Batch, axis_name: str
+) -> list[ReducedGradients]:
+    """Every config's gradient: configs of one model and one kind of scale share one scan,
+    batched over the configs with ``vmap`` (as `jax_impl.update.sweep_rank_gradients`)."""
+    out: list[ReducedGradients | None] = [None] * len(configs)
+    families: dict[tuple, list[int]] = {}
+    for i, config in enumerate(configs):
+        key = (config.token_losses_fn, config.scheme.scope == "update")
+        families.setdefault(key, []).append(i)
+
+    def stack(*xs: jax.Array) -> jax.Array:
+        return jnp.stack(xs)
+
+    for (token_losses_fn, one_scale), members in families.items():
+        plans = [
+            global_plan(batch, configs[i].scheme, configs[i].strategy, axis_name) for i in members
+        ]
+        accumulate = functools.partial(
+            global_accumulate, one_scale=one_scale, token_losses_fn=token_losses_fn
+        )
+        sums = jax.vmap(accumulate, in_axes=(0, None, 0, 0))(
+            jax.tree.map(stack, *[params[i] for i in members]),
+            batch,
+            stack(*[plan.token_weights for plan in plans]),
+            stack(*[plan.scale for plan in plans]),
+        )
+        for k, (i, plan) in enumerate(zip(members, plans, strict=True)):
+            own = jax.tree.map(lambda x, k=k: x[k], sums)
+            out[i] = global_finish(configs[i].scheme, configs[i].strategy, plan, own, batch)
+    return out  # type: ignore[return-value]
 
 
 def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
-    """sweep(params per config, batch [R, M, B, T], scheme, normalizer) -> result per config.
+    """sweep(params per config, batch [R, M, B, T]) -> one ReducedGradients per config.
 
     The batch's rank axis is sharded over the mesh's only axis; R must equal the mesh size.
     A config asking for pmean, a reduction factor or a replaced per-rank gradient is refused:
@@ -113,12 +227,10 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
     """
     configs = check_sweep(configs)
     for config in configs:
-        # A per-rank gradient that knows its global-view form (a spec's,
-        # `jax_impl.spec_step.SpecGradients.global_view`) is taken; any other is refused.
         if (
             config.collective is not Collective.PSUM
             or config.reduce_factor is not None
-            or (config.gradients is not None and not hasattr(config.gradients, "global_view"))
+            or config.gradients is not None
         ):
             raise ValueError(
                 "global-view jit writes the global sum directly: it takes no collective, "
@@ -128,18 +240,10 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
             )
     (axis,) = mesh.axis_names
 
-    def one(config: StepConfig, p, batch, scheme, constant_normalizer) -> ReducedGradients:
-        if config.gradients is not None:
-            return config.gradients.global_view(p, batch, axis)
-        return global_gradients(p, batch, scheme, constant_normalizer, strategy=config.strategy)
+    def all_configs(params, batch):
+        return tuple(_global_sweep(configs, params, batch, axis))
 
-    def all_strategies(params, batch, scheme, constant_normalizer):
-        return tuple(
-            one(config, p, batch, scheme, constant_normalizer)
-            for config, p in zip(configs, params, strict=True)
-        )
-
-    jitted = jax.jit(all_strategies)
+    jitted = jax.jit(all_configs)
 
     return mesh_sweep(jitted, len(configs), auto_mesh(mesh), axis, "global-view jit gradients")
 
@@ -155,10 +259,10 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 
 def make_global_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:
-    """gradients(params, batch [R, M, B, T], scheme, constant_normalizer) -> ReducedGradients."""
+    """gradients(params, batch [R, M, B, T]) -> ReducedGradients."""
     return single_config(make_global_sweep([config], mesh))
 
 
 def make_global_update(config: StepConfig, mesh: Mesh) -> UpdateFn:
-    """update(params, opt_state, batch [R, M, B, T], scheme, constant_normalizer=0.0)."""
+    """update(params, opt_state, batch [R, M, B, T]) -> UpdateResult."""
     return mesh_update(make_global_gradients(config, mesh), config, auto_mesh(mesh))

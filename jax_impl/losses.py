@@ -1,8 +1,8 @@
-r"""Per-token cross-entropy and the per-microbatch loss terms of every scheme.
+r"""Per-token cross-entropy and a microbatch's weighted loss sum :math:`\sum_t a_t l_t`.
 
-Each microbatch contributes :math:`(\sum_t a_t l_t,\ d)`; nothing here divides by anything but
-the local group sizes inside a_t, so these are the unnormalized pieces that a step sums over
-microbatches and ranks before (postnorm) or after (precount) knowing D.
+Nothing here divides by a denominator: these are the unnormalized pieces that a step sums
+over microbatches and ranks before (postnorm) or after (precount) knowing D; a_t comes from
+the scheme spec (`jax_impl.spec_counts`).
 
 Dtypes (`jax_impl.denominators`): the cross-entropy :math:`l_t` is computed in at least float32
 (bfloat16 logits are upcast before the log-softmax), the product :math:`a_t l_t` in that loss
@@ -10,31 +10,21 @@ dtype, and :math:`\sum_t a_t l_t` is summed in the denominator dtype (float64 un
 ``jax_enable_x64``, else float32). Gradients with respect to the params come back in the
 params' dtype: the upcasts are where autodiff casts the cotangents back.
 
-The accidental normalizations (a local mean per microbatch or per rank) are here too, because
-that is how real training loops write them (see ``jax_impl.accidental``).
+`local_mean_loss`, the loss most training loops write (a microbatch's own token mean), is
+here too: it is the microbatch-mean bug when averaged over microbatches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jax_impl.batch import IGNORE_INDEX, Batch
 from jax_impl.denominators import denominator_dtype, loss_dtype
 from jax_impl.model import Params, logits_fn
-from jax_impl.schemes import IGNORE_INDEX, Scheme, SchemeTerms, scheme_terms
-
-
-class Microbatch(NamedTuple):
-    """One microbatch (arrays [B, T]), or a stack of them with leading axes [..., B, T]."""
-
-    inputs: jax.Array
-    targets: jax.Array
-    segment_ids: jax.Array
-    weights: jax.Array
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -80,38 +70,7 @@ def weighted_loss_sum(
     return jnp.sum(a.astype(losses.dtype) * losses, dtype=denominator_dtype())
 
 
-class MicrobatchLoss(NamedTuple):
-    """What one microbatch hands the step: the unnormalized loss and its denominator."""
-
-    loss_sum: jax.Array  # sum_t a_t l_t, denominator dtype
-    count: jax.Array  # int32 d channel (counting schemes)
-    weight_sum: jax.Array  # d channel of weighted_mean, denominator dtype (rounded once)
-
-
-def microbatch_loss(
-    params: Params, microbatch: Microbatch, scheme: Scheme | str | jax.Array
-) -> MicrobatchLoss:
-    """(sum_t a_t l_t, d) for one microbatch under `scheme` (static, or a traced index).
-
-    Both d channels and the loss sum are in the denominator dtype or int32, whatever the
-    params' dtype (`jax_impl.denominators`).
-
-    >>> import numpy as np
-    >>> params = {"embed": np.eye(3, 2), "unembed": np.zeros((2, 3))}
-    >>> mb = Microbatch(np.array([[0, 1]]), np.array([[1, -100]]), np.ones((1, 2), int),
-    ...                 np.ones((1, 2), np.float32))
-    >>> out = microbatch_loss(params, mb, "token_mean")
-    >>> round(float(out.loss_sum), 4), int(out.count)  # log 3: uniform over 3 classes
-    (1.0986, 1)
-    """
-    terms: SchemeTerms = scheme_terms(
-        scheme, microbatch.targets, microbatch.segment_ids, microbatch.weights
-    )
-    loss_sum = weighted_loss_sum(params, microbatch.inputs, microbatch.targets, terms.token_weights)
-    return MicrobatchLoss(loss_sum, terms.count, terms.weight_sum.value())
-
-
-def local_mean_loss(params: Params, microbatch: Microbatch) -> jax.Array:
+def local_mean_loss(params: Params, microbatch: Batch) -> jax.Array:
     """The loss most training loops write: the token mean of *this* microbatch only.
 
     0 when the microbatch has no valid token (real code usually divides 0 by 0 there; the

@@ -36,9 +36,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.losses import Microbatch
+from jax_impl.batch import IGNORE_INDEX, Batch
 from jax_impl.model import Params
-from jax_impl.schemes import IGNORE_INDEX
 from jax_impl.shard_map_step import rank_varying, replicate, shard_batch
 
 PER_TOKEN_KINDS = ("ce", "z_loss", "entropy", "ref_kl", "mtp")
@@ -205,7 +204,7 @@ def _gather(x: jax.Array, axis: str, world_size: int) -> jax.Array:
     return lax.psum(slots.at[lax.axis_index(axis)].set(x), axis)
 
 
-def _precount(term, params, batch: Microbatch, axis: str, world_size: int, dtype) -> _Norm:
+def _precount(term, params, batch: Batch, axis: str, world_size: int, dtype) -> _Norm:
     """The term's counts, reduced where its unit spans ranks, before any backward."""
     mask = _term_mask(term, batch.targets, batch.segment_ids)
     local = jnp.sum(mask, axis=(1, 2), dtype=jnp.int32)  # per microbatch [M]
@@ -237,7 +236,7 @@ def _precount(term, params, batch: Microbatch, axis: str, world_size: int, dtype
     return _Norm(scale, counts, reported.reshape(-1), count)
 
 
-def _term_sum(term: ObjectiveTerm, norm: _Norm, params: Params, mb: Microbatch, m: int):
+def _term_sum(term: ObjectiveTerm, norm: _Norm, params: Params, mb: Batch, m: int):
     """sum_{t in microbatch m} a_t l_t / D_u / K of one term."""
     if term.kind == "moe_lb":
         losses = router_probs(params, mb.inputs) @ norm.counts[m].astype(params["router"].dtype)
@@ -247,8 +246,8 @@ def _term_sum(term: ObjectiveTerm, norm: _Norm, params: Params, mb: Microbatch, 
     return jnp.sum(losses) * norm.scale[m]
 
 
-def _rank_objective(params: Params, batch: Microbatch, terms, axis: str, world_size: int):
-    batch = Microbatch(*(x[0] for x in batch))  # [1, M, B, T] -> [M, B, T]
+def _rank_objective(params: Params, batch: Batch, terms, axis: str, world_size: int):
+    batch = jax.tree.map(lambda x: x[0], batch)  # [1, M, B, T] -> [M, B, T]
     dtype = params["embed"].dtype
     norms = [_precount(t, params, batch, axis, world_size, dtype) for t in terms]
     trained = {k: v for k, v in params.items() if k in TRAINED_PARAMS}
@@ -256,7 +255,7 @@ def _rank_objective(params: Params, batch: Microbatch, terms, axis: str, world_s
     coefficients = jnp.asarray([t.coefficient for t in terms], dtype)
 
     def microbatch_objective(p: Params, m: int):
-        mb = Microbatch(*(x[m] for x in batch))
+        mb = jax.tree.map(lambda x: x[m], batch)
         pairs = zip(terms, norms, strict=True)
         parts = jnp.stack([_term_sum(t, n, p | frozen, mb, m) for t, n in pairs])
         return jnp.sum(coefficients * parts), parts
@@ -280,7 +279,7 @@ def _rank_objective(params: Params, batch: Microbatch, terms, axis: str, world_s
 
 def make_objective_fn(
     terms: Sequence[Mapping[str, Any]], mesh: Mesh, axis_name: str = "data"
-) -> Callable[[Params, Microbatch], ObjectiveOutput]:
+) -> Callable[[Params, Batch], ObjectiveOutput]:
     """objective(params, batch) -> ObjectiveOutput, jitted, over the 1-D `mesh`.
 
     `batch` is [R, M, B, T] with R the mesh size (`jax_impl.lay_out_global_batch`); params
@@ -296,7 +295,7 @@ def make_objective_fn(
         jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P())
     )
 
-    def objective(params: Params, batch: Microbatch) -> ObjectiveOutput:
+    def objective(params: Params, batch: Batch) -> ObjectiveOutput:
         for term in parsed:
             kind_params = ("embed", HEAD.get(term.kind, "unembed"))
             needed = kind_params + (FROZEN_PARAMS if term.kind == "ref_kl" else ())

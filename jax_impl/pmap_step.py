@@ -1,7 +1,7 @@
 """The update under ``jax.pmap``: one rank per device, collectives over a named axis.
 
 The mapped function is the per-rank gradient of `jax_impl.accumulate` (the same code
-shard_map runs). Params, the scheme index and the constant normalizer are broadcast
+shard_map runs), with each config's scheme spec closed over (static). Params are broadcast
 (``in_axes=None``); the [R, M, B, T] batch is mapped over its rank axis. The optimizer step
 then runs once on the reduced gradient (`jax_impl.update.with_optimizer`).
 """
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import jax
 
+from jax_impl.batch import Batch
 from jax_impl.devices import check_rank_axis, require_devices
-from jax_impl.losses import Microbatch
 from jax_impl.update import (
     GradientsFn,
     ReducedGradients,
@@ -23,6 +23,7 @@ from jax_impl.update import (
     check_sweep,
     single_config,
     sweep_from,
+    sweep_rank_gradients,
     with_optimizer,
 )
 
@@ -34,31 +35,26 @@ def _on_rank0(x: jax.Array) -> jax.Array:
 
 
 def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
-    """sweep(params per config, batch [R, M, B, T], scheme, normalizer) -> result per config.
+    """sweep(params per config, batch [R, M, B, T]) -> one ReducedGradients per config.
 
-    All configs run side by side in one pmapped program: a harness comparing strategies
-    compiles once per batch shape, not once per (shape, strategy). Build it once and call it
-    for every fixture and scheme: the scheme is a traced index, not a recompile. Replicated
+    All configs run side by side in one pmapped program: a harness comparing schemes and
+    strategies compiles once per batch shape, not once per (shape, config). Replicated
     outputs are taken from rank 0; per-rank metrics come back stacked to [R].
     """
     configs = check_sweep(configs)
     devices = require_devices(world_size)
-    per_rank_fns = [config.rank_gradients_fn() for config in configs]
     axis = configs[0].axis_name
 
-    def per_rank(params, batch, scheme, normalizer):
-        return tuple(
-            fn(p, batch, scheme, normalizer, axis)
-            for fn, p in zip(per_rank_fns, params, strict=True)
-        )
+    def per_rank(params, batch):
+        return tuple(sweep_rank_gradients(configs, params, batch, axis))
 
-    mapped = jax.pmap(per_rank, axis_name=axis, in_axes=(None, 0, None, None), devices=devices)
+    mapped = jax.pmap(per_rank, axis_name=axis, in_axes=(None, 0), devices=devices)
 
-    def place(batch: Microbatch) -> Microbatch:
+    def place(batch: Batch) -> Batch:
         check_rank_axis(batch, world_size, "pmap gradients")
         return batch
 
-    def program(params, batch, scheme, normalizer) -> tuple[ReducedGradients, ...]:
+    def program(params, batch) -> tuple[ReducedGradients, ...]:
         return tuple(
             ReducedGradients(
                 grads=jax.tree.map(_on_rank0, out.grads),
@@ -67,17 +63,17 @@ def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
                 global_denominator=_on_rank0(out.global_denominator),
                 loss=_on_rank0(out.loss),
             )
-            for out in mapped(params, batch, scheme, normalizer)
+            for out in mapped(params, batch)
         )
 
     return sweep_from(program, len(configs), place)
 
 
 def make_pmap_gradients(config: StepConfig, world_size: int) -> GradientsFn:
-    """gradients(params, batch [R, M, B, T], scheme, constant_normalizer) -> ReducedGradients."""
+    """gradients(params, batch [R, M, B, T]) -> ReducedGradients."""
     return single_config(make_pmap_sweep([config], world_size))
 
 
 def make_pmap_update(config: StepConfig, world_size: int) -> UpdateFn:
-    """update(params, opt_state, batch [R, M, B, T], scheme, constant_normalizer=0.0)."""
+    """update(params, opt_state, batch [R, M, B, T]) -> UpdateResult."""
     return with_optimizer(make_pmap_gradients(config, world_size), config)

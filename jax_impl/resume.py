@@ -1,30 +1,31 @@
 r"""A resumable update loop under ``jax.pmap``: stop between updates or inside a window, go on.
 
-One update accumulates M microbatches per rank, reduces across the R ranks, normalizes by the
-global denominator D, clips and steps the optimizer (as `jax_impl.accumulate` and
-`jax_impl.update` do in one program). Here the window is split at microbatch j: microbatches
-[0, j) are accumulated per rank without any gradient collective, the per-rank partial sums
-can be checkpointed, and on resume [j, M) continue from those sums:
+One update runs the three steps of `jax_impl.accumulate` under the config's scheme spec: the
+labels-only plan of the window (a_t, the count pre-pass, each microbatch's scale c_m), the
+accumulation over its M microbatches, and the collective with the normalization; then the
+clip and the optimizer (`jax_impl.update`). Here the accumulation is split at microbatch j:
+microbatches [0, j) are accumulated per rank without any gradient collective, the per-rank
+partial sums can be checkpointed, and on resume [j, M) continue from those sums:
 
 .. math::
 
-    g_r = \sum_{m<j} \nabla(\textstyle\sum_t a_t l_t)\,c \;+\; \sum_{m \ge j} \nabla(\ldots)\,c,
-    \qquad c = s/D \text{ (precount)},\ c = 1 \text{ (postnorm)}
+    g_r = \sum_{m<j} \nabla(\textstyle\sum_t a_t l_t)\,c_m \;+\; \sum_{m \ge j}
+    \nabla(\ldots)\,c_m
 
 The scan carry of the second part starts from the saved first-part sums, so the additions
-happen in the same order as in an unsplit window; then the collective (pmean or psum), the
-normalization, the clip and the optimizer run exactly as for an uninterrupted update.
+happen in the same order as in an unsplit window; the plan is recomputed from the window's
+labels at every call (it reads labels only, and a_t of a group may depend on microbatches on
+either side of j); then the collective, the normalization, the clip and the optimizer run
+exactly as for an uninterrupted update. Every spec resumes inside its window, whatever its
+grouping and scope.
 
-- precount: D comes first from the labels of the whole window (one psum of the d channels,
-  no gradients); it is saved with the partial sums and recomputed on resume as a check that
-  the batch and layout are the ones the sums belong to.
-- postnorm: the partial sums include each rank's d channels (count, weight sum) and loss sum
-  of [0, j); after [j, M) one psum carries gradient sums, loss sums and d, then g / D.
+The window's D (precount with U = update; D_u per microbatch for U = rank or microbatch) is
+saved with the partial sums and recomputed on resume as a check that the batch and layout are
+the ones the sums belong to. postnorm with U = update reduces D's channels with the gradient
+sums at the end of the window, from the window's labels.
 
-Dtypes as in `jax_impl.denominators`: counts are int32 until D, the weight sums are
-`ExactSum` pairs in the denominator dtype (float64 under x64, else float32) and are saved as
-pairs, so that a window stopped and resumed sums its weights exactly as an unbroken one; the
-loss sums and g / D are in that dtype too, the gradient sums in the params' dtype.
+Dtypes as in `jax_impl.denominators`: the loss sums and g / D are in the denominator dtype,
+the gradient sums in the params' dtype.
 
 Why pmap rather than shard_map: the partial sums are per-rank, unreduced values, and pmap's
 outputs are naturally stacked [R, ...] arrays that go to and come back from a checkpoint as
@@ -39,21 +40,15 @@ and read them through `jax_impl.checkpoint`.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_impl.accumulate import (
-    Strategy,
-    continue_accumulation,
-    reduce_denominator,
-    reduce_factor,
-    reduce_postnorm,
-    reduce_precount,
-)
+from jax_impl.accumulate import RankPlan, continue_accumulation, finish_rank, rank_plan
+from jax_impl.batch import IGNORE_INDEX, Batch
 from jax_impl.checkpoint import (
     CheckpointError,
     CheckpointMeta,
@@ -61,65 +56,53 @@ from jax_impl.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from jax_impl.denominators import ExactSum, add_exact, denominator_dtype, exact_sum
+from jax_impl.denominators import denominator_dtype
 from jax_impl.devices import check_rank_axis, require_devices
-from jax_impl.losses import Microbatch
 from jax_impl.model import Params
-from jax_impl.schemes import Scheme, safe_denominator, scheme_terms
+from jax_impl.spec import SchemeSpec
 from jax_impl.train_state import PartialWindow, TrainState, state_arrays, state_from_arrays
-from jax_impl.update import ReducedGradients, StepConfig, apply_optimizer, scheme_index
+from jax_impl.update import ReducedGradients, StepConfig, apply_optimizer
 
 
-class _Sums(NamedTuple):
-    grad_sums: Params
-    loss_sums: jax.Array
-    counts: jax.Array
-    weight_sums: ExactSum
+def _window_plan(window: Batch, *, config: StepConfig) -> tuple[RankPlan, jax.Array]:
+    """The window's plan on one rank, and its D (or D_u) per microbatch [M] for the check."""
+    plan = rank_plan(config.scheme, window, config.axis_name, config.strategy, config.collective)
+    return plan, jnp.broadcast_to(plan.denominator, window.targets.shape[:1])
 
 
-def _window_denominator(window: Microbatch, scheme, normalizer, *, axis_name: str):
-    """D of the whole window from labels only (`jax_impl.accumulate.reduce_denominator`)."""
-    terms = scheme_terms(scheme, window.targets, window.segment_ids, window.weights)
-    local_count = jnp.sum(terms.count, dtype=jnp.int32)
-    return reduce_denominator(
-        scheme, local_count, exact_sum(terms.weight_sum), normalizer, axis_name
-    )
-
-
-def _accumulate(params: Params, part: Microbatch, sums: _Sums, scale, scheme) -> _Sums:
+def _accumulate(params: Params, part: Batch, plan: RankPlan, sums) -> tuple[Params, jax.Array]:
     """Continue one rank's sums over the microbatches of `part` [k, B, T]; no collective."""
-    terms = scheme_terms(scheme, part.targets, part.segment_ids, part.weights)
-    grads, loss = continue_accumulation(
-        params, part, terms.token_weights, scale, (sums.grad_sums, sums.loss_sums)
-    )
-    return _Sums(
-        grads,
-        loss,
-        sums.counts + jnp.sum(terms.count, dtype=jnp.int32),
-        add_exact(sums.weight_sums, exact_sum(terms.weight_sum)),
-    )
+    return continue_accumulation(params, part, plan, sums)
 
 
-def _finish(sums: _Sums, D, scheme, normalizer, *, axis_name: str, strategy, collective):
+def _finish(plan: RankPlan, sums, window: Batch, *, config: StepConfig):
     """The collective and the normalization of a completed window, on one rank: the same
-    reductions as an uninterrupted update (`jax_impl.accumulate.rank_gradients`)."""
-    if strategy is Strategy.PRECOUNT:
-        grads, total_loss = reduce_precount(sums.grad_sums, sums.loss_sums, collective, axis_name)
-    else:
-        grads, total_loss, D = reduce_postnorm(*sums, scheme, normalizer, axis_name)
-    return grads, D, total_loss / safe_denominator(D)
+    reductions as an uninterrupted update (`jax_impl.accumulate.finish_rank`)."""
+    return finish_rank(
+        config.scheme, plan, sums, window, config.axis_name, config.strategy, config.collective
+    )
 
 
 def _rank0(x: jax.Array) -> jax.Array:
     return x.addressable_data(0)[0]
 
 
+def _microbatches(tree, start: int, stop: int):
+    """Microbatches [start, stop) of every [R, M, ...] leaf."""
+    return jax.tree.map(lambda x: np.asarray(x)[:, start:stop], tree)
+
+
+def scheme_label(spec: SchemeSpec) -> str:
+    """The spec as the checkpoint's metadata writes it: its JSON, keys sorted."""
+    return json.dumps(spec.to_dict(), sort_keys=True)
+
+
 class ResumableLoop:
-    """The update loop of one strategy at one layout (R, M); every program compiled once.
+    """The update loop of one scheme spec and strategy at one layout (R, M); every program
+    compiled once.
 
     `config` must describe the intended step (no `gradients`, no `reduce_factor` override):
-    a reproduced bug has nothing to resume. The scheme is a traced index, so one loop
-    serves every scheme.
+    a reproduced bug has nothing to resume.
     """
 
     def __init__(self, config: StepConfig, world_size: int, accum_steps: int) -> None:
@@ -127,44 +110,34 @@ class ResumableLoop:
             raise ValueError("ResumableLoop runs the intended step: no gradients/reduce_factor")
         self.config, self.world_size, self.accum_steps = config, world_size, accum_steps
         self.devices = require_devices(world_size)
-        axis = config.axis_name
-        pmap = functools.partial(jax.pmap, axis_name=axis, devices=self.devices)
-        self._denominator = pmap(
-            functools.partial(_window_denominator, axis_name=axis), in_axes=(0, None, None)
-        )
-        self._accumulate = pmap(_accumulate, in_axes=(None, 0, 0, None, None))
-        self._finish = pmap(
-            functools.partial(
-                _finish, axis_name=axis, strategy=config.strategy, collective=config.collective
-            ),
-            in_axes=(0, None, None, None),
-        )
+        pmap = functools.partial(jax.pmap, axis_name=config.axis_name, devices=self.devices)
+        self._plan = pmap(functools.partial(_window_plan, config=config))
+        self._accumulate = pmap(_accumulate, in_axes=(None, 0, 0, 0))
+        self._finish = pmap(functools.partial(_finish, config=config))
 
     def init(self, params: Params) -> TrainState:
         """Update 0: params on rank 0's device and the optimizer's initial state."""
         params = jax.device_put(params, self.devices[0])
         return TrainState(params, jax.jit(self.config.optimizer.init)(params), 0)
 
-    def _zero_sums(self, params: Params) -> _Sums:
-        """Empty per-rank sums: gradients in the params' dtype, the rest in the denominator
-        dtype (or int32)."""
-        R, dtype = self.world_size, denominator_dtype()
-        return _Sums(
+    def zero_partial(self, params: Params, done: int) -> PartialWindow:
+        """Empty per-rank sums after `done` microbatches: gradients in the params' dtype, the
+        rest in the denominator dtype (the template a checkpoint is read into)."""
+        R, M, dtype = self.world_size, self.accum_steps, denominator_dtype()
+        return PartialWindow(
+            done,
             {k: np.zeros((R, *v.shape), v.dtype) for k, v in params.items()},
             np.zeros((R,), dtype),
-            np.zeros((R,), np.int32),
-            ExactSum(np.zeros((R,), dtype), np.zeros((R,), dtype)),
+            np.zeros((R, M), dtype),
         )
 
     def run(
         self,
         state: TrainState,
-        batch: Microbatch,
-        scheme: Scheme | str | int,
+        batch: Batch,
         *,
         until_updates: int,
         then_microbatches: int = 0,
-        constant_normalizer: float = 0.0,
     ) -> TrainState:
         """Run until `until_updates` updates are complete and, when `then_microbatches` > 0,
         that many microbatches of the next window are accumulated (a mid-window stop).
@@ -182,7 +155,7 @@ class ResumableLoop:
         target = (until_updates, then_microbatches)
         while (state.updates_done, state.partial.done if state.partial else 0) < target:
             stop = then_microbatches if state.updates_done == until_updates else self.accum_steps
-            state = self._window(state, batch, scheme, stop, constant_normalizer)
+            state = self._window(state, batch, stop)
         if (state.updates_done, state.partial.done if state.partial else 0) != target:
             raise ValueError(
                 f"ResumableLoop: the state is past the requested stop {target} "
@@ -190,57 +163,53 @@ class ResumableLoop:
             )
         return state
 
-    def _window(self, state: TrainState, batch: Microbatch, scheme, stop: int, normalizer):
+    def _window(self, state: TrainState, batch: Batch, stop: int) -> TrainState:
         """Accumulate the window's microbatches [done, stop); complete the update at M."""
         config, params = self.config, state.params
-        index = scheme_index(scheme)
-        dtype = denominator_dtype()
-        normalizer = jnp.asarray(normalizer, dtype)  # C like D: not in the params' dtype
-        start = state.partial.done if state.partial else 0
-        if state.partial is None:
-            sums = self._zero_sums(params)
-        else:
-            p = state.partial
-            sums = _Sums(p.grad_sums, p.loss_sums, p.counts, p.weight_sums)
-        if config.strategy is Strategy.PRECOUNT:
-            D = _rank0(self._denominator(batch, index, normalizer))
-            if state.partial is not None and not np.array_equal(D, state.partial.denominator):
-                raise ValueError(
-                    f"resume: the window's D is {float(D)!r} here but {float(p.denominator)!r} "
-                    "in the saved partial window: not the batch, scheme or layout it was taken on"
-                )
-            s = reduce_factor(config.collective, self.world_size)
-            scale = jnp.asarray(s, D.dtype) / safe_denominator(D)
-        else:
-            D = jnp.zeros((), dtype)
-            scale = jnp.ones((), dtype)
-        part = Microbatch(*(np.asarray(x)[:, start:stop] for x in batch))
-        sums = self._accumulate(params, part, sums, scale, index)
+        plan, denominator = self._plan(batch)
+        denominator = np.asarray(denominator)
+        partial = state.partial or self.zero_partial(params, 0)
+        if state.partial is not None and not np.array_equal(denominator, partial.denominator):
+            raise ValueError(
+                f"resume: the window's D is {denominator.tolist()!r} here but "
+                f"{np.asarray(partial.denominator).tolist()!r} in the saved partial window: "
+                "not the batch, scheme or layout it was taken on"
+            )
+        start = partial.done
+        part_plan = plan._replace(
+            token_weights=_microbatches(plan.token_weights, start, stop),
+            grad_scale=_microbatches(plan.grad_scale, start, stop),
+            loss_scale=_microbatches(plan.loss_scale, start, stop),
+        )
+        sums = self._accumulate(
+            params, _microbatches(batch, start, stop), part_plan,
+            (partial.grad_sums, partial.loss_sums),
+        )  # fmt: skip
         if stop < self.accum_steps:
-            partial = PartialWindow(stop, sums.grad_sums, sums.loss_sums, sums.counts,
-                                    sums.weight_sums, D)  # fmt: skip
-            return state._replace(partial=partial)
-        grads, D, loss = self._finish(sums, D, index, normalizer)
+            return state._replace(partial=PartialWindow(stop, *sums, denominator))
+        out = self._finish(plan, sums, batch)
         reduced = ReducedGradients(
-            grads=jax.tree.map(_rank0, grads),
-            rank_valid_tokens=jnp.sum(np.asarray(batch.targets) != -100, axis=(1, 2, 3)),
-            rank_loss_sums=sums.loss_sums,
-            global_denominator=_rank0(D),
-            loss=_rank0(loss),
+            grads=jax.tree.map(_rank0, out.grads),
+            rank_valid_tokens=jnp.sum(
+                np.asarray(batch.targets) != IGNORE_INDEX, axis=(1, 2, 3), dtype=jnp.int32
+            ),
+            rank_loss_sums=out.local_loss_sum,
+            global_denominator=_rank0(out.global_denominator),
+            loss=_rank0(out.loss),
         )
         out = apply_optimizer(reduced, params, state.opt_state, config)
         return TrainState(out.params, out.opt_state, state.updates_done + 1, None)
 
 
 def save_train_state(
-    directory: str | Path, loop: ResumableLoop, state: TrainState, scheme: str, fingerprint: str
+    directory: str | Path, loop: ResumableLoop, state: TrainState, fingerprint: str
 ) -> Path:
     """Checkpoint `state` of `loop` atomically (orbax) to `directory`; returns the path.
 
     `fingerprint` is `jax_impl.checkpoint.batch_fingerprint` of the global batch.
     """
     meta = CheckpointMeta(
-        scheme=Scheme.from_name(scheme).label,
+        scheme=scheme_label(loop.config.scheme),
         strategy=loop.config.strategy.value,
         collective=loop.config.collective.value,
         world_size=loop.world_size,
@@ -254,18 +223,19 @@ def save_train_state(
 
 
 def restore_train_state(
-    directory: str | Path, loop: ResumableLoop, params: Params, scheme: str, fingerprint: str
+    directory: str | Path, loop: ResumableLoop, params: Params, fingerprint: str
 ) -> TrainState:
     """The state saved in `directory`, checked against this run, ready for `loop.run`.
 
     `params` are initial params of this run (they give shapes and dtype, not values). Raises
     CheckpointError naming the mismatch when the checkpoint is unfinalized, of another
-    scheme, strategy, dtype or batch, or stopped mid-window at another layout than `loop`'s.
+    scheme spec, strategy, dtype or batch, or stopped mid-window at another layout than
+    `loop`'s.
     """
     meta = read_meta(directory)
     template = loop.init(params)
     here = {
-        "scheme": Scheme.from_name(scheme).label,
+        "scheme": scheme_label(loop.config.scheme),
         "strategy": loop.config.strategy.value,
         "collective": loop.config.collective.value,
         "dtype": str(jax.tree.leaves(template.params)[0].dtype),
@@ -287,9 +257,8 @@ def restore_train_state(
             "Change the layout at a checkpoint taken between updates."
         )
     if meta.microbatches_done:
-        zeros = loop._zero_sums(template.params)
         template = template._replace(
-            partial=PartialWindow(meta.microbatches_done, *zeros, np.zeros((), zeros[1].dtype))
+            partial=loop.zero_partial(template.params, meta.microbatches_done)
         )
     arrays = read_arrays(directory, state_arrays(template))
     return state_from_arrays(arrays, template, meta.updates_done, meta.microbatches_done)

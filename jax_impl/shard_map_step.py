@@ -19,8 +19,8 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.batch import Batch
 from jax_impl.devices import check_rank_axis, require_devices
-from jax_impl.losses import Microbatch
 from jax_impl.model import Params
 from jax_impl.update import (
     GradientsFn,
@@ -32,6 +32,7 @@ from jax_impl.update import (
     check_sweep,
     single_config,
     sweep_from,
+    sweep_rank_gradients,
     with_optimizer,
 )
 
@@ -61,7 +62,7 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda x: _place(x, sharding, None), tree)
 
 
-def shard_batch(batch: Microbatch, mesh: Mesh, axis_name: str = "data") -> Microbatch:
+def shard_batch(batch: Batch, mesh: Mesh, axis_name: str = "data") -> Batch:
     """Place an [R, M, B, T] batch with its rank axis split over `axis_name`.
 
     Single process: the whole batch. Multi-process: this process's own ranks' rows only,
@@ -74,7 +75,7 @@ def shard_batch(batch: Microbatch, mesh: Mesh, axis_name: str = "data") -> Micro
         global_shape = (world_size, *np.shape(x)[1:])
         return _place(x, sharding, global_shape)
 
-    # tree.map: a Microbatch, or a SpecBatch with its [R, M, B] row fields, alike.
+    # tree.map: the token fields [R, M, B, T] and the row fields [R, M, B] alike.
     return jax.tree.map(place, batch)
 
 
@@ -101,28 +102,27 @@ def mesh_sweep(
 
     A numpy batch is checked (`what` names the front-end in the error) and placed with
     `shard_batch`; an already placed one (e.g. a multi-process global array) passes through.
-    Params, the scheme index and C are replicated over the mesh before the program runs.
+    Params are replicated over the mesh before the program runs.
     """
     world_size = mesh.shape[axis_name]
 
-    def place(batch: Microbatch) -> Microbatch:
+    def place(batch: Batch) -> Batch:
         if not isinstance(batch.targets, jax.Array):
             check_rank_axis(batch, world_size, what)
             batch = shard_batch(batch, mesh, axis_name)
         return batch
 
-    def replicated(params, batch, scheme, normalizer) -> tuple[ReducedGradients, ...]:
-        scalars = replicate((scheme, normalizer), mesh)
-        return program(replicate(params, mesh), batch, *scalars)
+    def replicated(params, batch) -> tuple[ReducedGradients, ...]:
+        return program(replicate(params, mesh), batch)
 
     return sweep_from(replicated, num_configs, place)
 
 
 def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
-    """sweep(params per config, batch, scheme, normalizer) -> one ReducedGradients per config.
+    """sweep(params per config, batch) -> one ReducedGradients per config.
 
     All configs run side by side in one jitted shard_map program (one compile per batch
-    shape for a harness comparing strategies). `batch` is [R, M, B, T]: a numpy batch is
+    shape for a harness comparing schemes and strategies). `batch` is [R, M, B, T]: a numpy batch is
     placed with `shard_batch`; an already placed (e.g. multi-process global) array passes
     through. Per-rank metrics come back as [R] arrays sharded over the mesh; everything else
     is replicated.
@@ -131,15 +131,10 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
     axis = configs[0].axis_name
     if axis not in mesh.axis_names:
         raise ValueError(f"shard_map update: axis {axis!r} is not in mesh axes {mesh.axis_names}")
-    per_rank_fns = [config.rank_gradients_fn() for config in configs]
 
-    def per_rank(params, batch, scheme, constant_normalizer):
+    def per_rank(params, batch):
         rank_batch = jax.tree.map(lambda x: x[0], batch)  # [1, M, B, T] -> [M, B, T]
-        local_params = rank_varying(params, axis)
-        outs = (
-            fn(p, rank_batch, scheme, constant_normalizer, axis)
-            for fn, p in zip(per_rank_fns, local_params, strict=True)
-        )
+        outs = sweep_rank_gradients(configs, rank_varying(params, axis), rank_batch, axis)
         return tuple(
             ReducedGradients(
                 grads=out.grads,
@@ -156,7 +151,7 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
         jax.shard_map(
             per_rank,
             mesh=mesh,
-            in_specs=(P(), P(axis), P(), P()),
+            in_specs=(P(), P(axis)),
             out_specs=tuple(out_spec for _ in configs),
         )
     )
@@ -165,12 +160,12 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
 
 
 def make_shard_map_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:
-    """gradients(params, batch, scheme, constant_normalizer) -> ReducedGradients."""
+    """gradients(params, batch) -> ReducedGradients."""
     return single_config(make_shard_map_sweep([config], mesh))
 
 
 def make_shard_map_update(config: StepConfig, mesh: Mesh) -> UpdateFn:
-    """update(params, opt_state, batch, scheme, constant_normalizer=0.0) over `mesh`.
+    """update(params, opt_state, batch) over `mesh`.
 
     Params and optimizer state are replicated over the mesh before the first update (pass
     them through `replicate` yourself to avoid the copy on later ones).
@@ -183,8 +178,8 @@ def mesh_update(gradients: GradientsFn, config: StepConfig, mesh: Mesh) -> Updat
     before every update (a no-op for state that already is)."""
     update = with_optimizer(gradients, config)
 
-    def replicated_update(params, opt_state, batch, *args, **kwargs) -> UpdateResult:
-        return update(replicate(params, mesh), replicate(opt_state, mesh), batch, *args, **kwargs)
+    def replicated_update(params, opt_state, batch) -> UpdateResult:
+        return update(replicate(params, mesh), replicate(opt_state, mesh), batch)
 
     return replicated_update
 

@@ -29,7 +29,7 @@ their number after the colon).
 
 Written for JAX from the doc, independently of the numpy oracle in ``crosscheck``; what the
 spec computes is in `jax_impl.spec_counts` (a_t, D and the count pre-pass) and
-`jax_impl.spec_step` (the update under every front-end).
+`jax_impl.accumulate` (the update under every front-end).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 r"""One rank's a_t and denominators under a spec, with the count pre-pass; inside a named axis.
 
-Runs on one rank's [M, B, T] `jax_impl.spec_batch.SpecBatch` inside ``pmap`` / ``shard_map``
+Runs on one rank's [M, B, T] `jax_impl.batch.Batch` inside ``pmap`` / ``shard_map``
 (or a ``vmap`` with the same axis name: the global-view step). Everything here reads labels
 and the v2 fields only, so all of it is known before any forward pass.
 
@@ -43,10 +43,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_impl.denominators import ExactSum, denominator_dtype, exact_sum
-from jax_impl.schemes import IGNORE_INDEX
+from jax_impl.batch import IGNORE_INDEX, Batch
+from jax_impl.denominators import ExactSum, check_weights_dtype, denominator_dtype, exact_sum
 from jax_impl.spec import ID_GROUPINGS, SchemeSpec
-from jax_impl.spec_batch import SpecBatch
 
 
 def finer(a: str, b: str) -> str:
@@ -63,7 +62,7 @@ class Masks(NamedTuple):
     nonzero_weight: jax.Array
 
 
-def masks(batch: SpecBatch) -> Masks:
+def masks(batch: Batch) -> Masks:
     valid = batch.targets != IGNORE_INDEX
     sample = jnp.broadcast_to((batch.sample_mask != 0)[..., None], valid.shape)
     return Masks(valid, sample, batch.weights != 0)
@@ -78,7 +77,7 @@ def token_mask(name: str, m: Masks) -> jax.Array:
     return m.valid & m.nonzero_weight
 
 
-def presence_mask(grouping: str, mask_name: str, batch: SpecBatch, m: Masks) -> jax.Array:
+def presence_mask(grouping: str, mask_name: str, batch: Batch, m: Masks) -> jax.Array:
     """The tokens that make a group *present* for ``all_groups`` (empty groups included):
     every slot of a row, or of a nonzero segment or document id; with mask ``sample`` only in
     rows whose sample_mask is 1. Validity and weights do not matter here."""
@@ -95,7 +94,7 @@ def _first_id(grouping: str) -> int:
     return 1 if grouping == "document" else 0
 
 
-def id_vectors(mask: jax.Array, grouping: str, batch: SpecBatch) -> jax.Array:
+def id_vectors(mask: jax.Array, grouping: str, batch: Batch) -> jax.Array:
     """[M, n] int32: per microbatch, the tokens of `mask` per group or document id."""
     if grouping == "group":
         per_row = jnp.sum(mask, axis=-1, dtype=jnp.int32)  # [M, B]
@@ -115,7 +114,7 @@ class IdCounts(NamedTuple):
 
 
 def token_counts(
-    mask: jax.Array, grouping: str, scope: str, batch: SpecBatch, ids: IdCounts | None
+    mask: jax.Array, grouping: str, scope: str, batch: Batch, ids: IdCounts | None
 ) -> jax.Array:
     """n_G(t) (int32, broadcastable to [M, B, T]): `mask`'s tokens of t's group in t's unit."""
     if grouping == "row":
@@ -139,8 +138,8 @@ def token_counts(
 
 
 def inverse_power(n: jax.Array, alpha: float, on: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """n^(-alpha) where `on`, else 0 (never 0^(-alpha)): 1/n for alpha = 1, exactly as
-    `jax_impl.schemes` divides (a pow would round differently), 1 for alpha = 0."""
+    """n^(-alpha) where `on`, else 0 (never 0^(-alpha)): 1/n for alpha = 1, a division
+    that rounds once (a pow would round differently), 1 for alpha = 0."""
     safe = jnp.where(n > 0, n, 1).astype(dtype)
     if alpha == 1.0:
         value = 1 / safe
@@ -174,7 +173,7 @@ class SpecTerms(NamedTuple):
 
 
 def _groups_parts(
-    mask: jax.Array, grouping: str, scope: str, batch: SpecBatch
+    mask: jax.Array, grouping: str, scope: str, batch: Batch
 ) -> tuple[jax.Array | None, jax.Array | None]:
     """(mb_count [M], rank_count) of the groups with a token of `mask`, for the groupings
     that never cross a microbatch (row, segment, microbatch) or a rank (rank)."""
@@ -197,7 +196,7 @@ def _groups_parts(
 
 def denominator_parts(
     spec: SchemeSpec,
-    batch: SpecBatch,
+    batch: Batch,
     d_mask: jax.Array,
     ids: dict[tuple[str, str], IdCounts],
     with_derived: bool = True,
@@ -249,12 +248,12 @@ def denominator_parts(
 
 
 def numerator_weights(
-    spec: SchemeSpec, batch: SpecBatch, mask: jax.Array, ids: dict[tuple[str, str], IdCounts]
+    spec: SchemeSpec, batch: Batch, mask: jax.Array, ids: dict[tuple[str, str], IdCounts]
 ) -> jax.Array:
     """a_t = m_t s_t n_G(t)^(-alpha) in the denominator dtype, 0 where m_t = 0.
 
-    Built as `jax_impl.schemes` builds v1's a_t (v_t as a float, where(v, 1 / n, 0),
-    where(v, w, 0)), so that a v1 scheme written as a spec has the same bits."""
+    Built as v_t as a float, where(v, 1 / n, 0) or where(v, w, 0): a mask times 1 is exact,
+    and 1 / n rounds once."""
     dtype = denominator_dtype()
     w = spec.weight
     a = None
@@ -273,7 +272,7 @@ def numerator_weights(
 
 def rank_spec_terms(
     spec: SchemeSpec,
-    batch: SpecBatch,
+    batch: Batch,
     axis_name: str,
     reduce_with_counts: Callable[[DenominatorParts], object] | None = None,
 ) -> tuple[SpecTerms, object]:
@@ -284,6 +283,8 @@ def rank_spec_terms(
     should ride in the same psum (precount's denominator channels), and its reduced value is
     returned second (None otherwise).
     """
+    # The weights are read in the denominator dtype below; bfloat16 ones are already rounded.
+    check_weights_dtype(batch.weights.dtype)
     w, d, U = spec.weight, spec.denominator, spec.scope
     m = masks(batch)
     numerator_mask = token_mask(w.mask, m)

@@ -19,8 +19,8 @@ Usage::
 
     opt = token_weighted_accumulation(optax.chain(optax.clip_by_global_norm(1.0),
                                                   optax.adamw(1e-3)), accum_steps=4)
-    loss_sum, d = ...  # jax_impl.losses.microbatch_loss(params, mb, "token_mean")
-    updates, state = opt.update(grads_of_loss_sum, state, params, denominator=d)
+    out = microbatch_loss(params, mb, "token_mean")  # grads: of out.loss_sum
+    updates, state = opt.update(grads_of_loss_sum, state, params, denominator=out.count)
 
 Clipping inside the wrapped optimizer applies to the accumulated gradient, as it should.
 
@@ -32,13 +32,82 @@ weights, never narrower), and with bfloat16 gradients the division g / D is form
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jax_impl.batch import Batch
 from jax_impl.denominators import refuse_narrow_float
+from jax_impl.losses import weighted_loss_sum
+from jax_impl.model import Params
+from jax_impl.spec import ID_GROUPINGS, SchemeSpec, parse_spec
+from jax_impl.spec_counts import rank_spec_terms
+
+
+class MicrobatchLoss(NamedTuple):
+    """What one micro-step hands `token_weighted_accumulation`: the unnormalized loss and
+    its denominator contribution d, in two channels (one of them zero)."""
+
+    loss_sum: jax.Array  # sum_t a_t l_t, denominator dtype
+    count: jax.Array  # int32 d of the counting specs
+    weight_sum: jax.Array  # d of the weight-sum specs, denominator dtype (rounded once)
+
+
+def _local_to_a_microbatch(spec: SchemeSpec) -> None:
+    """Refuse a spec whose a_t or d is not known from one microbatch alone, or whose D is not
+    the sum of the micro-steps' d: the accumulation here only ever sees one at a time."""
+    w, d = spec.weight, spec.denominator
+    why = None
+    if spec.scope != "update":
+        why = f"its scope is {spec.scope!r} (each unit normalizes by itself: no sum of d)"
+    elif d.kind in ("configured", "one"):
+        why = f"its D is fixed ({d.kind}), not a sum of the micro-steps' d"
+    elif w.group in ID_GROUPINGS or d.group in ID_GROUPINGS:
+        why = "a group or document may span microbatches, so its count is not local"
+    elif w.group in ("rank", "microbatch") or d.group in ("rank", "microbatch"):
+        why = "it counts ranks or microbatches, which one micro-step cannot see"
+    elif w.group != "none" and w.count_scope != "update":
+        why = f"its counts are per {w.count_scope}"
+    if why:
+        raise ValueError(
+            f"microbatch_loss: the spec {spec.to_dict()} cannot be accumulated one micro-step "
+            f"at a time: {why}; use a step of jax_impl (pmap, shard_map, jit), which counts "
+            "the whole update first"
+        )
+
+
+def microbatch_loss(
+    params: Params, microbatch: Batch, spec: SchemeSpec | Mapping[str, Any] | str
+) -> MicrobatchLoss:
+    """(sum_t a_t l_t, d) of one microbatch ([B, T] fields) under a spec whose a_t and d are
+    local to it (token_mean, sequence_mean, row_mean, weighted_mean, constant, ...).
+
+    Both d channels and the loss sum are in the denominator dtype or int32, whatever the
+    params' dtype (`jax_impl.denominators`).
+
+    >>> import numpy as np
+    >>> from jax_impl.batch import lay_out_global_batch
+    >>> params = {"embed": np.eye(3, 2), "unembed": np.zeros((2, 3))}
+    >>> arrays = dict(inputs=np.array([[0, 1]]), targets=np.array([[1, -100]]),
+    ...               segment_ids=np.ones((1, 2), int), weights=np.ones((1, 2)))
+    >>> mb = jax.tree.map(lambda x: x[0, 0], lay_out_global_batch(arrays, 1, 1, vocab_size=3))
+    >>> out = microbatch_loss(params, mb, "token_mean")
+    >>> round(float(out.loss_sum), 4), int(out.count)  # log 3: uniform over 3 classes
+    (1.0986, 1)
+    """
+    spec = parse_spec(spec)
+    _local_to_a_microbatch(spec)
+    stacked = jax.tree.map(lambda x: x[None], microbatch)  # one rank's M = 1 microbatches
+    # No count here crosses the microbatch (checked above), so the pre-pass never reduces:
+    # the axis is a size-1 vmap only so that the spec code runs as it does inside a step.
+    (a, parts), _ = jax.vmap(
+        lambda b: rank_spec_terms(spec, b, "microbatch"), axis_name="microbatch"
+    )(jax.tree.map(lambda x: x[None], stacked))
+    loss_sum = weighted_loss_sum(params, microbatch.inputs, microbatch.targets, a[0, 0])
+    return MicrobatchLoss(loss_sum, parts.mb_count[0, 0], parts.mb_weight.value()[0, 0])
 
 
 class TokenWeightedState(NamedTuple):

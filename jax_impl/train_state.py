@@ -17,7 +17,6 @@ import jax
 import numpy as np
 import optax
 
-from jax_impl.denominators import ExactSum
 from jax_impl.model import Params
 
 
@@ -28,11 +27,9 @@ class PartialWindow(NamedTuple):
     """
 
     done: int  # microbatches of the window accumulated, 0 < done < M
-    grad_sums: Params  # [R, ...]: sum over m < done of grad((sum_t a_t l_t) * c)
-    loss_sums: jax.Array  # [R]: sum over m < done of sum_t a_t l_t
-    counts: jax.Array  # [R] int32: d (count channel) of m < done
-    weight_sums: ExactSum  # [R] pairs: d (weight channel) of m < done
-    denominator: jax.Array  # precount's D of the whole window (postnorm: 0, not known yet)
+    grad_sums: Params  # [R, ...]: sum over m < done of grad((sum_t a_t l_t) * grad_scale_m)
+    loss_sums: jax.Array  # [R]: sum over m < done of (sum_t a_t l_t) * loss_scale_m
+    denominator: jax.Array  # [R, M]: the window's D (or D_u) per microbatch; 0 until known
 
 
 class TrainState(NamedTuple):
@@ -56,8 +53,6 @@ def state_arrays(state: TrainState) -> dict[str, Any]:
         arrays["partial"] = {
             "grad_sums": {k: np.asarray(v) for k, v in p.grad_sums.items()},
             "loss_sums": np.asarray(p.loss_sums),
-            "counts": np.asarray(p.counts),
-            "weight_sums": {"hi": np.asarray(p.weight_sums.hi), "lo": np.asarray(p.weight_sums.lo)},
             "denominator": np.asarray(p.denominator),
         }
     return arrays
@@ -78,8 +73,6 @@ def state_from_arrays(
             microbatches_done,
             dict(p["grad_sums"]),
             p["loss_sums"],
-            p["counts"],
-            ExactSum(p["weight_sums"]["hi"], p["weight_sums"]["lo"]),
             p["denominator"],
         )
     return TrainState(

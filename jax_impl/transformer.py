@@ -143,8 +143,8 @@ def token_losses(
     r"""l_t = logsumexp(z_t) - z_t[y_t] [B, T], exactly 0 (value and gradient) where
     y_t = IGNORE_INDEX. In at least float32: a bfloat16 model's logits are upcast first.
 
-    Its signature is the ``token_losses_fn`` an update step takes (`jax_impl.accumulate`,
-    `jax_impl.spec_step`) to train this model.
+    Its signature is the ``token_losses_fn`` a `jax_impl.update.StepConfig` takes to train
+    this model.
     """
     logits = transformer_logits(params, inputs, segment_ids)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import jax
@@ -29,38 +29,47 @@ import optax
 
 from jax_impl.accumulate import (
     Collective,
+    RankGradients,
     RankGradientsFn,
     Strategy,
+    accumulate_microbatches,
+    finish_rank,
     microbatch_finiteness,
-    rank_gradients,
+    rank_plan,
 )
-from jax_impl.denominators import denominator_dtype
-from jax_impl.losses import Microbatch
+from jax_impl.batch import Batch
+from jax_impl.losses import TokenLossesFn
 from jax_impl.model import Params
-from jax_impl.schemes import Scheme
+from jax_impl.spec import SchemeSpec, parse_spec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepConfig:
-    """How one update is computed; strings are accepted for the two enums.
+    """How one update is computed: the scheme spec, the strategy, the collective, the optimizer.
 
-    `gradients` replaces the intended per-rank gradient (a reproduced bug such as
-    ``jax_impl.accidental.rank_mean_gradients``); `reduce_factor` overrides s in precount.
-    `check_finite`: the ready-made update raises `NonFiniteError` (naming the rank and
-    microbatch) instead of stepping the optimizer on a NaN or inf; it costs one host sync
-    per update (turn it off to keep updates dispatching asynchronously).
+    `scheme` is a `SchemeSpec`, its JSON form or a name of docs/schemes-as-data.md's table
+    (``"token_mean"``, ``"rank_mean"``, ``"constant:4096"``, ...); strings are accepted for
+    the two enums. `gradients` replaces the intended per-rank gradient (a reproduced bug, a
+    `RankGradientsFn`); `reduce_factor` overrides s in precount. `token_losses_fn` is the
+    model's l_t (None: the bilinear model). `check_finite`: the ready-made update raises
+    `NonFiniteError` (naming the rank and microbatch) instead of stepping the optimizer on a
+    NaN or inf; it costs one host sync per update (turn it off to keep updates dispatching
+    asynchronously).
     """
 
     optimizer: optax.GradientTransformation
+    scheme: SchemeSpec = field(default_factory=lambda: parse_spec("token_mean"))
     strategy: Strategy = Strategy.PRECOUNT
     collective: Collective = Collective.PSUM
     max_grad_norm: float | None = None
     reduce_factor: float | None = None
     axis_name: str = "data"
     gradients: RankGradientsFn | None = None
+    token_losses_fn: TokenLossesFn | None = None
     check_finite: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "scheme", parse_spec(self.scheme))
         object.__setattr__(self, "strategy", Strategy(self.strategy))
         object.__setattr__(self, "collective", Collective(self.collective))
         if self.strategy is Strategy.POSTNORM and (
@@ -74,16 +83,61 @@ class StepConfig:
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"StepConfig: max_grad_norm must be > 0, got {self.max_grad_norm!r}")
 
-    def rank_gradients_fn(self) -> RankGradientsFn:
-        """The per-rank gradient function this config describes."""
-        if self.gradients is not None:
-            return self.gradients
-        return functools.partial(
-            rank_gradients,
-            strategy=self.strategy,
-            collective=self.collective,
-            scale_override=self.reduce_factor,
+
+def sweep_rank_gradients(
+    configs: Sequence[StepConfig], params: Sequence[Params], rank_batch: Batch, axis_name: str
+) -> list[RankGradients]:
+    """Every config's reduced gradient, as one rank sees it; call inside `axis_name`'s mapping.
+
+    The intended configs (no `gradients`) that train the same model (`token_losses_fn`) share
+    one accumulation: each config's plan is computed from the labels (`rank_plan`), then one
+    ``lax.scan`` runs every config's microbatches at once, batched over the configs with
+    ``vmap`` (each its own params, a_t and scales), then each config's collective and
+    normalization (`finish_rank`). Per config these are the sums of `rank_gradients` (the
+    batched reductions may round differently in the last bit); the program holds one forward
+    and backward instead of one per config, which halves the compile time of a sweep of
+    every v1 scheme in three variants. A config with its own `gradients` (a reproduced bug)
+    runs alone.
+    """
+    out: list[RankGradients | None] = [None] * len(configs)
+    families: dict[object, list[int]] = {}
+    for i, config in enumerate(configs):
+        if config.gradients is not None:
+            out[i] = config.gradients(params[i], rank_batch, axis_name)
+        else:
+            families.setdefault(config.token_losses_fn, []).append(i)
+
+    def stack(*xs: jax.Array) -> jax.Array:
+        return jnp.stack(xs)
+
+    for token_losses_fn, members in families.items():
+        plans = [
+            rank_plan(
+                configs[i].scheme,
+                rank_batch,
+                axis_name,
+                configs[i].strategy,
+                configs[i].collective,
+                configs[i].reduce_factor,
+            )
+            for i in members
+        ]
+        accumulate = functools.partial(accumulate_microbatches, token_losses_fn=token_losses_fn)
+        sums = jax.vmap(accumulate, in_axes=(0, None, 0, 0, 0))(
+            jax.tree.map(stack, *[params[i] for i in members]),
+            rank_batch,
+            stack(*[plan.token_weights for plan in plans]),
+            stack(*[plan.grad_scale for plan in plans]),
+            stack(*[plan.loss_scale for plan in plans]),
         )
+        for k, (i, plan) in enumerate(zip(members, plans, strict=True)):
+            config = configs[i]
+            own = jax.tree.map(lambda x, k=k: x[k], sums)
+            out[i] = finish_rank(
+                config.scheme, plan, own, rank_batch, axis_name, config.strategy,
+                config.collective,
+            )  # fmt: skip
+    return out  # type: ignore[return-value]
 
 
 class ReducedGradients(NamedTuple):
@@ -91,8 +145,8 @@ class ReducedGradients(NamedTuple):
 
     grads: Params  # the fully reduced gradient of the objective, before clipping (params' dtype)
     rank_valid_tokens: jax.Array  # [R] int32
-    rank_loss_sums: jax.Array  # [R], sum of a_t l_t per rank (denominator dtype)
-    global_denominator: jax.Array  # D (denominator dtype: float64 under x64, else float32)
+    rank_loss_sums: jax.Array  # [R], a rank's loss sum (`jax_impl.accumulate.RankGradients`)
+    global_denominator: jax.Array  # D, or K for U = rank / microbatch (denominator dtype)
     loss: jax.Array  # the objective L (denominator dtype)
 
 
@@ -153,11 +207,6 @@ SweepFn = Callable[..., tuple[ReducedGradients, ...]]
 UpdateFn = Callable[..., UpdateResult]
 
 
-def scheme_index(scheme: Scheme | str | int) -> jax.Array:
-    """A scheme name, Scheme or int as the int32 array a compiled step takes (traced there)."""
-    return jnp.asarray(int(Scheme.from_name(scheme)), dtype=jnp.int32)
-
-
 def check_sweep(configs: Sequence[StepConfig]) -> tuple[StepConfig, ...]:
     """Configs computed side by side in one program must share the mapped axis."""
     configs = tuple(configs)
@@ -180,27 +229,20 @@ def check_sweep_params(params: Sequence[Params], num_configs: int) -> tuple[Para
 def sweep_from(
     program: Callable[..., tuple[ReducedGradients, ...]],
     num_configs: int,
-    place_batch: Callable[[Microbatch], Microbatch],
+    place_batch: Callable[[Batch], Batch],
 ) -> SweepFn:
-    """The sweep a front-end hands out: sweep(params per config, batch, scheme, normalizer).
+    """The sweep a front-end hands out: sweep(params per config, batch).
 
     `place_batch` checks the [R, M, B, T] batch and puts it where the front-end's program wants
-    it; the params must be one tree per config; the scheme becomes the int32 index the program
-    takes (traced: one compile serves every scheme) and the constant normalizer C goes in the
-    denominator dtype, like D (`jax_impl.denominators`), not the params' dtype: a bfloat16 C of
-    1001 would be 1000. Then ``program(params, batch, scheme index, C)`` computes every config.
+    it; the params must be one tree per config. Then ``program(params, batch)`` computes every
+    config, each with its own scheme spec (static: one compile per batch shape serves every
+    config of the sweep).
     """
 
-    def sweep(
-        params: Sequence[Params],
-        batch: Microbatch,
-        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
-        constant_normalizer: float = 0.0,
-    ) -> tuple[ReducedGradients, ...]:
+    def sweep(params: Sequence[Params], batch: Batch) -> tuple[ReducedGradients, ...]:
         batch = place_batch(batch)
         params = check_sweep_params(params, num_configs)
-        normalizer = jnp.asarray(constant_normalizer, denominator_dtype())
-        return program(params, batch, scheme_index(scheme), normalizer)
+        return program(params, batch)
 
     return sweep
 
@@ -254,15 +296,10 @@ def _params_hint(params: Params) -> str:
 
 
 def describe_non_finite(
-    reduced: ReducedGradients,
-    params: Params,
-    batch: Microbatch,
-    scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
+    reduced: ReducedGradients, params: Params, batch: Batch, spec: SchemeSpec
 ) -> str:
     """Where a non-finite update's NaN or inf first appeared, in words (the diagnosis pass)."""
-    loss_ok, grad_ok = (
-        _to_host(x) for x in microbatch_finiteness(params, batch, scheme_index(scheme))
-    )
+    loss_ok, grad_ok = (_to_host(x) for x in microbatch_finiteness(params, batch, spec))
     R, M = loss_ok.shape
     # Time order: microbatch m runs on every rank before microbatch m + 1 anywhere.
     bad = [(r, m) for m in range(M) for r in range(R) if not (loss_ok[r, m] and grad_ok[r, m])]
@@ -284,12 +321,7 @@ def describe_non_finite(
     )
 
 
-def check_finite(
-    reduced: ReducedGradients,
-    params: Params,
-    batch: Microbatch,
-    scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
-) -> None:
+def check_finite(reduced: ReducedGradients, params: Params, batch: Batch, spec: SchemeSpec) -> None:
     """Raise NonFiniteError when an update's gradient, loss or per-rank loss sums hold a NaN or
     inf, naming the rank and microbatch where it first appeared; call outside jit.
 
@@ -302,7 +334,7 @@ def check_finite(
         and np.isfinite(_to_host(reduced.loss)).all()
     )
     if not finite:
-        raise NonFiniteError(describe_non_finite(reduced, params, batch, scheme))
+        raise NonFiniteError(describe_non_finite(reduced, params, batch, spec))
 
 
 def single_config(sweep: SweepFn) -> GradientsFn:
@@ -315,22 +347,16 @@ def single_config(sweep: SweepFn) -> GradientsFn:
 
 
 def with_optimizer(gradients: GradientsFn, config: StepConfig) -> UpdateFn:
-    """update(params, opt_state, batch, scheme, constant_normalizer=0.0) -> UpdateResult.
+    """update(params, opt_state, batch) -> UpdateResult, under `config`'s scheme spec.
 
-    `gradients(params, batch, scheme, constant_normalizer)` is a front-end's reduced gradient.
-    With ``config.check_finite`` a NaN or inf raises NonFiniteError before the optimizer step.
+    `gradients(params, batch)` is a front-end's reduced gradient. With ``config.check_finite``
+    a NaN or inf raises NonFiniteError before the optimizer step.
     """
 
-    def update(
-        params: Params,
-        opt_state: optax.OptState,
-        batch: Microbatch,
-        scheme: Scheme | str | int = Scheme.TOKEN_MEAN,
-        constant_normalizer: float = 0.0,
-    ) -> UpdateResult:
-        reduced = gradients(params, batch, scheme, constant_normalizer)
+    def update(params: Params, opt_state: optax.OptState, batch: Batch) -> UpdateResult:
+        reduced = gradients(params, batch)
         if config.check_finite:
-            check_finite(reduced, params, batch, scheme)
+            check_finite(reduced, params, batch, config.scheme)
         return apply_optimizer(reduced, params, opt_state, config)
 
     return update

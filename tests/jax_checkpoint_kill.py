@@ -34,7 +34,7 @@ def _loop():
     from jax_impl.resume import ResumableLoop
 
     settings = TrainSettings(num_updates=NUM_UPDATES)
-    return ResumableLoop(_config(STRATEGY, settings, _optimizer(settings)), R, M)
+    return ResumableLoop(_config(SCHEME, STRATEGY, settings, _optimizer(settings)), R, M)
 
 
 def _block_before_the_rename(final: Path, saving: Path) -> None:
@@ -58,13 +58,13 @@ def save(work: Path) -> None:
 
     loop = _loop()
     batch, params0, fingerprint = _problem(FIXTURE, R, M, DTYPE)
-    baseline = loop.run(loop.init(params0), batch, SCHEME, until_updates=NUM_UPDATES)
+    baseline = loop.run(loop.init(params0), batch, until_updates=NUM_UPDATES)
     np.savez(work / "baseline.npz", **_numpy(baseline.params))
-    state = loop.run(loop.init(params0), batch, SCHEME, until_updates=1, then_microbatches=1)
-    save_train_state(work / "ckpt-a", loop, state, SCHEME, fingerprint)
-    state = loop.run(state, batch, SCHEME, until_updates=2)
+    state = loop.run(loop.init(params0), batch, until_updates=1, then_microbatches=1)
+    save_train_state(work / "ckpt-a", loop, state, fingerprint)
+    state = loop.run(state, batch, until_updates=2)
     _block_before_the_rename(work.absolute() / "ckpt-b", work / "saving")
-    save_train_state(work / "ckpt-b", loop, state, SCHEME, fingerprint)
+    save_train_state(work / "ckpt-b", loop, state, fingerprint)
     raise SystemExit("the save of ckpt-b was to be killed, not to finish")
 
 
@@ -74,13 +74,13 @@ def resume(work: Path) -> None:
 
     loop = _loop()
     batch, params0, fingerprint = _problem(FIXTURE, R, M, DTYPE)
-    state = restore_train_state(work / "ckpt-a", loop, params0, SCHEME, fingerprint)
-    state = loop.run(state, batch, SCHEME, until_updates=NUM_UPDATES)
+    state = restore_train_state(work / "ckpt-a", loop, params0, fingerprint)
+    state = loop.run(state, batch, until_updates=NUM_UPDATES)
     np.savez(work / "resumed.npz", **_numpy(state.params))
     refused = {}
     for name in ("ckpt-b", Path(work / "saving").read_text()):
         try:
-            restore_train_state(work / name, loop, params0, SCHEME, fingerprint)
+            restore_train_state(work / name, loop, params0, fingerprint)
             refused[Path(name).name] = "restored"
         except CheckpointError as error:
             refused[Path(name).name] = str(error)

@@ -8,8 +8,8 @@ denominator, per-rank metrics and gradient norms, and the params after it, are c
 The in-process front-ends (pmap, shard_map, jit) run in one runner process per dtype, the two
 concurrently: `python tests/jax_matrix.py --dtype D --oracle O --out R.json` (float64 needs
 jax_enable_x64, which is global). Compilation dominates the run, so each front-end is built
-once per world size as a sweep of all its strategies (one program per batch shape; the scheme
-is a traced index), and the runner processes compile with cheaper code generation
+once per world size as a sweep of every (scheme, strategy) side by side (one program per
+batch shape), and the runner processes compile with cheaper code generation
 (RUNNER_XLA_FLAGS): these programs are tiny and compiling them is most of the run; neither
 flag changes the HLO optimization passes or floating-point semantics (no fast-math). The oracle
 is computed once by the parent and shared as a pickle. Multi-process workers
@@ -19,6 +19,7 @@ is computed once by the parent and shared as a pickle. Multi-process workers
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pickle
 import sys
@@ -203,12 +204,13 @@ def build_sweep(front_end: str, configs: list, world_size: int) -> tuple[Callabl
 
 
 def run_updates(
-    sweep: Callable, configs: Sequence[jax_impl.StepConfig], params0: Any, batch: Any, scheme: str
+    sweep: Callable, configs: Sequence[jax_impl.StepConfig], params0: Any, batch: Any
 ) -> list[list[dict[str, Any]]]:
-    """NUM_UPDATES consecutive updates per sweep variant, every variant from `params0`.
+    """NUM_UPDATES consecutive updates per sweep config, every config from `params0`.
 
-    `configs[v]` supplies variant v's optimizer step (its gradient is the sweep's v-th); all
-    share one optimizer object. Returns, per variant, one numpy record per update.
+    `configs[v]` supplies config v's optimizer step (its gradient is the sweep's v-th, of the
+    scheme and strategy the sweep was built with); all share one optimizer object. Returns,
+    per config, one numpy record per update.
     """
     import jax
 
@@ -216,7 +218,7 @@ def run_updates(
     states = [jax_impl.init_opt_state(configs[0].optimizer, params0)] * len(configs)
     outs: list[list[jax_impl.UpdateResult]] = [[] for _ in configs]
     for _ in range(NUM_UPDATES):
-        reduced = sweep(params, batch, scheme)
+        reduced = sweep(params, batch)
         for v, config in enumerate(configs):
             out = jax_impl.apply_optimizer(reduced[v], params[v], states[v], config)
             params[v], states[v] = out.params, out.opt_state
@@ -243,16 +245,32 @@ def run_in_process(front_end: str, dtype: str, table: OracleTable | None = None)
     import optax
 
     lookup = (lambda key: table[key]) if table is not None else (lambda key: oracle(*key))
+    keys = [(scheme, s, c) for scheme in INTENDED_SCHEMES for s, c in VARIANTS[front_end]]
     configs = [
         jax_impl.StepConfig(
-            optimizer=optimizer, strategy=s, collective=c, max_grad_norm=MAX_GRAD_NORM
+            optimizer=optimizer,
+            scheme=scheme,
+            strategy=s,
+            collective=c,
+            max_grad_norm=MAX_GRAD_NORM,
         )
         for optimizer in [adamw()]  # one object: its program compiles once per placement
-        for s, c in VARIANTS[front_end]
+        for scheme, s, c in keys
     ]
     sgd = optax.sgd(SGD.learning_rate)
     # SGD reuses the compiled gradient sweep; only the optimizer program differs.
-    sgd_configs = [jax_impl.StepConfig(optimizer=sgd, max_grad_norm=MAX_GRAD_NORM)] * len(configs)
+    by_optimizer = {
+        "adamw": configs,
+        "sgd": [dataclasses.replace(config, optimizer=sgd) for config in configs],
+    }
+    # One id space for every fixture (static in the program): fixtures of one shape then
+    # share the compiled program of each layout, whatever their own group and document ids.
+    fixtures = [builtin_fixture(name) for name in BUILTIN_FIXTURES]
+    id_space = {
+        "num_groups": max(f.num_rows for f in fixtures),
+        "num_documents": max(int(jax_impl.default_document_ids(f.segment_ids).max()) + 1
+                             for f in fixtures),
+    }  # fmt: skip
     records = []
     for world_size in WORLD_SIZES[front_end]:
         sweep, place = build_sweep(front_end, configs, world_size)
@@ -263,17 +281,24 @@ def run_in_process(front_end: str, dtype: str, table: OracleTable | None = None)
             }
             batch, params0 = place(
                 jax_impl.lay_out_global_batch(
-                    arrays, R, M, vocab_size=fixture.vocab_size, weights_dtype=dtype
+                    arrays,
+                    R,
+                    M,
+                    vocab_size=fixture.vocab_size,
+                    weights_dtype=dtype,
+                    **id_space,
                 ),
                 jax_impl.params_from_numpy(fixture.params(), dtype),
             )
-            for scheme, optimizer in runs_on(name, front_end):
-                run_configs = configs if optimizer == "adamw" else sgd_configs
-                histories = run_updates(sweep, run_configs, params0, batch, scheme)
+            runs = runs_on(name, front_end)
+            histories = {
+                optimizer: run_updates(sweep, by_optimizer[optimizer], params0, batch)
+                for optimizer in sorted({optimizer for _, optimizer in runs})
+            }
+            for scheme, optimizer in runs:
                 want = lookup((name, scheme, R, M, optimizer))
-                for (strategy, collective), history in zip(
-                    VARIANTS[front_end], histories, strict=True
-                ):
+                for strategy, collective in VARIANTS[front_end]:
+                    history = histories[optimizer][keys.index((scheme, strategy, collective))]
                     case = {
                         "front_end": front_end,
                         "dtype": dtype,

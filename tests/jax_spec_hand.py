@@ -21,8 +21,6 @@ import optax
 
 import jax_impl
 from crosscheck.contract.oracle import weighted_grad
-from jax_impl.spec_batch import lay_out_spec_batch
-from jax_impl.spec_step import spec_step_config
 
 V, H, T = 7, 3, 6
 VALID = np.array(
@@ -156,12 +154,14 @@ def run_hand() -> list[dict]:
     )
     for R, M in sorted({layout for _, layouts, _ in cases.values() for layout in layouts}):
         names = [name for name, (_, layouts, _) in cases.items() if (R, M) in layouts]
-        batch = lay_out_spec_batch(arrays, R, M, vocab_size=V)
+        batch = jax_impl.lay_out_global_batch(arrays, R, M, vocab_size=V)
         # Every front-end and strategy at (2, 2); the other layouts under pmap's precount.
         runs = every_run if (R, M) == (2, 2) else every_run[:1]
         for front_end, strategy, collective in runs:
             configs = [
-                spec_step_config(cases[n][0], opt, strategy=strategy, collective=collective)
+                jax_impl.StepConfig(
+                    optimizer=opt, scheme=cases[n][0], strategy=strategy, collective=collective
+                )
                 for n in names
             ]
             outs = make_sweep(front_end, configs, R)([params] * len(configs), batch)
@@ -171,6 +171,6 @@ def run_hand() -> list[dict]:
                 variant = f"{strategy}-{collective}"
                 records.append(
                     _record("hand", front_end, "hand", name, variant, R=R, M=M, err=err,
-                            same=False, want=RTOL)
+                            want=RTOL)
                 )  # fmt: skip
     return records

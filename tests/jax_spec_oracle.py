@@ -31,7 +31,6 @@ from crosscheck.contract.oracle import weighted_grad
 from crosscheck.contract.spec import get_spec
 from crosscheck.contract.spec_catalogue import known_spec_names
 from crosscheck.fixtures.builtin import V2_FIXTURES
-from jax_impl.spec_step import spec_step_config
 
 EXTRA_SPECS: dict[str, dict] = {
     "group_count_microbatch": {
@@ -161,7 +160,7 @@ def run_oracle() -> list[dict]:
     for front_end, R, M, variants, extra in ORACLE_RUNS:
         specs = {k: v for k, v in all_specs.items() if extra or k in known_spec_names()}
         configs = [
-            spec_step_config(spec, opt, strategy=s, collective=c)
+            jax_impl.StepConfig(optimizer=opt, scheme=spec, strategy=s, collective=c)
             for spec in specs.values()
             for s, c in variants
         ]
@@ -182,7 +181,7 @@ def run_oracle() -> list[dict]:
                     err = rel_err(got, want)
                     records.append(
                         _record("oracle", front_end, name, spec_name, f"{s}-{coll}", R=R, M=M,
-                                err=err, same=False, want=RTOL)
+                                err=err, want=RTOL)
                     )  # fmt: skip
                     if layout_invariant(spec):
                         grads_by_layout.setdefault((name, spec_name), {})[(R, M)] = got
@@ -191,5 +190,5 @@ def run_oracle() -> list[dict]:
         for (R, M), got in by_layout.items():
             err = rel_err(got, base)
             invariance = ("oracle", "all", name, spec_name, "invariance")
-            records.append(_record(*invariance, R=R, M=M, err=err, same=False, want=RTOL))
+            records.append(_record(*invariance, R=R, M=M, err=err, want=RTOL))
     return records

@@ -545,7 +545,7 @@ def _jax_update(params: dict[str, np.ndarray], front_end: str, check_finite: boo
         "jit": lambda: jax_impl.make_global_update(config, jax_impl.data_mesh(2)),
     }[front_end]()
     jax_params = jax_impl.params_from_numpy(params, jnp.float32)
-    return make(jax_params, optax.sgd(0.1).init(jax_params), batch, "token_mean")
+    return make(jax_params, optax.sgd(0.1).init(jax_params), batch)
 
 
 @pytest.mark.parametrize("front_end", ["pmap", "shard_map", "jit"])
@@ -586,7 +586,7 @@ def test_jax_non_finite_gradient_with_a_finite_loss_is_reported() -> None:
     params = jax_impl.params_from_numpy(_with_embedding(HIDDEN_TOKEN, np.inf), jnp.float32)
     update = jax_impl.make_pmap_update(jax_impl.StepConfig(optimizer=optax.sgd(0.1)), 2)
     with pytest.raises(JaxNonFiniteError) as failure:
-        update(params, optax.sgd(0.1).init(params), batch, "token_mean")
+        update(params, optax.sgd(0.1).init(params), batch)
     assert str(failure.value) == (
         "non-finite gradient (local, before any reduction) first at rank 0, microbatch 0 (of "
         "R=2 ranks x M=2 microbatches; affected: rank 0 microbatch 0); the params hold NaN or "

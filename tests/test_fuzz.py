@@ -327,8 +327,12 @@ def _jax_worker(cases: list[tuple[Example, dict[str, np.ndarray]]]) -> dict[tupl
         if (front_end, R) not in sweeps:
             import optax
 
+            # Every scheme's variants side by side: one sweep, one program per batch shape.
             configs = [
-                jax_impl.StepConfig(optimizer=optax.sgd(1.0), strategy=s, collective=c)
+                jax_impl.StepConfig(
+                    optimizer=optax.sgd(1.0), scheme=scheme, strategy=s, collective=c
+                )
+                for scheme in INTENDED_SCHEMES
                 for s, c in variants
             ]
             if front_end == "pmap":
@@ -346,9 +350,10 @@ def _jax_worker(cases: list[tuple[Example, dict[str, np.ndarray]]]) -> dict[tupl
         params = jax_impl.params_from_numpy(
             {"embed": arrays["embed"], "unembed": arrays["unembed"]}, jax.numpy.float64
         )
-        for scheme in INTENDED_SCHEMES:
-            reduced = sweeps[front_end, R]([params] * len(variants), batch, scheme)
-            for (strategy, collective), out in zip(variants, reduced, strict=True):
+        reduced = sweeps[front_end, R]([params] * len(INTENDED_SCHEMES) * len(variants), batch)
+        for i, scheme in enumerate(INTENDED_SCHEMES):
+            own = reduced[i * len(variants) : (i + 1) * len(variants)]
+            for (strategy, collective), out in zip(variants, own, strict=True):
                 grads = {name: np.asarray(value) for name, value in out.grads.items()}
                 D = float(np.asarray(out.global_denominator))
                 results[index, front_end, f"{strategy}-{collective}", scheme] = (grads, D)

@@ -1,7 +1,8 @@
 """Reproduced bugs and edge cases under pmap and shard_map, against the oracle.
 
-- rank_mean and microbatch_mean, written as real loops write them (local mean, then pmean),
-  reproduce the oracle's accidental schemes, including the seed example's 9x.
+- rank_mean and microbatch_mean, as real loops compute them (each unit's own mean, then
+  pmean: their specs under precount with pmean), reproduce the oracle's accidental schemes,
+  including the seed example's 9x.
 - A mis-scaled reduction factor s is caught by the same comparison the matrix uses: the tests
   of tests/jax_matrix.py can fail.
 - An update without a single valid target (D = 0) gives zero gradients, never NaN, in every
@@ -46,9 +47,12 @@ def sweep_configs(world_size: int) -> list[jax_impl.StepConfig]:
     """Two reproduced bugs, a wrong s, and the intended step, in one program per layout."""
     optimizer = adamw()
     common = {"optimizer": optimizer, "max_grad_norm": MAX_GRAD_NORM}
+    # The hand-written accidental gradients are gone: the same loops as the specs' naive step
+    # (each unit's own mean, averaged by pmean).
+    naive = {"strategy": "precount", "collective": "pmean"}
     return [
-        jax_impl.StepConfig(gradients=jax_impl.rank_mean_gradients, **common),
-        jax_impl.StepConfig(gradients=jax_impl.microbatch_mean_gradients, **common),
+        jax_impl.StepConfig(scheme="rank_mean", **naive, **common),
+        jax_impl.StepConfig(scheme="microbatch_mean", **naive, **common),
         # pmean averages the ranks but s = 1: transformers#37474, gradient R times too small.
         jax_impl.StepConfig(collective="pmean", reduce_factor=1, **common),
         jax_impl.StepConfig(collective="pmean", **common),
@@ -85,7 +89,7 @@ def test_reproduced_bugs_match_the_oracle_and_a_wrong_s_is_caught(front_end: str
             batch, params = place(
                 laid_out(fixture, R, M), jax_impl.params_from_numpy(fixture.params(), "float32")
             )
-            histories = run_updates(sweep, configs, params, batch, "token_mean")
+            histories = run_updates(sweep, configs, params, batch)
             for scheme, history in zip(
                 ["rank_mean", "microbatch_mean"], histories[:2], strict=True
             ):
@@ -109,10 +113,13 @@ def test_reproduced_bugs_match_the_oracle_and_a_wrong_s_is_caught(front_end: str
 def test_seed_rank_mean_weighs_the_short_rank_nine_times() -> None:
     """The seed example: per-token weights on the 100-token rank are 9x the 900-token rank's."""
     fixture = builtin_fixture("seed")
-    config = jax_impl.StepConfig(optimizer=optax.sgd(0.0), gradients=jax_impl.rank_mean_gradients)
+    # The hand-written rank_mean gradient is gone: the same loop as the rank_mean spec's step.
+    config = jax_impl.StepConfig(
+        optimizer=optax.sgd(0.0), scheme="rank_mean", strategy="precount", collective="pmean"
+    )
     gradients = jax_impl.make_pmap_gradients(config, 2)
     params = jax_impl.params_from_numpy(fixture.params(), "float32")
-    out = gradients(params, laid_out(fixture, 2, 1), "token_mean")
+    out = gradients(params, laid_out(fixture, 2, 1))
     np.testing.assert_array_equal(out.rank_valid_tokens, [100, 900])
     # Each rank's loss sum is its own mean; the objective averages them: (l_A + l_B) / 2.
     assert float(out.loss) == pytest.approx(float(np.mean(out.rank_loss_sums)), rel=1e-6)
@@ -132,21 +139,28 @@ def no_valid_targets() -> Fixture:
 def test_an_update_without_valid_targets_is_zero_not_nan(front_end: str) -> None:
     fixture, R, M = no_valid_targets(), 2, 2
     optimizer = adamw()
+    schemes = ("token_mean", "sequence_mean", "row_mean", "weighted_mean")
+    strategies = ("precount", "postnorm")
+    # Every scheme and strategy side by side in one sweep (the scheme is in the config).
     configs = [
-        jax_impl.StepConfig(optimizer=optimizer, strategy=s, max_grad_norm=MAX_GRAD_NORM)
-        for s in ("precount", "postnorm")
+        jax_impl.StepConfig(
+            optimizer=optimizer, scheme=scheme, strategy=s, max_grad_norm=MAX_GRAD_NORM
+        )
+        for scheme in schemes
+        for s in strategies
     ]
     sweep, place = build_sweep(front_end, configs, R)
     batch, params = place(
         laid_out(fixture, R, M), jax_impl.params_from_numpy(fixture.params(), "float32")
     )
-    for scheme in ("token_mean", "sequence_mean", "row_mean", "weighted_mean"):
+    histories = run_updates(sweep, configs, params, batch)
+    for i, scheme in enumerate(schemes):
         want = train(
             fixture, scheme, R, M, num_updates=NUM_UPDATES, optimizer=ADAMW,
             max_grad_norm=MAX_GRAD_NORM, clip_convention="optax",
         )  # fmt: skip
         assert all(r.result.no_valid_tokens for r in want)
-        for history in run_updates(sweep, configs, params, batch, scheme):
+        for history in histories[i * len(strategies) : (i + 1) * len(strategies)]:
             result = record(front_end, fixture.name, scheme, R, M, history, want)
             assert not result["failed"], result
             for update in history:
@@ -177,10 +191,12 @@ def test_shard_map_autodiff_sums_gradients_of_replicated_params() -> None:
 def test_constant_with_an_explicit_normalizer_divides_by_it() -> None:
     """constant(C): D = C for the update instead of the N x T target slots."""
     fixture, R, M, C = builtin_fixture("packed"), 2, 2, 300.0
-    config = jax_impl.StepConfig(optimizer=optax.sgd(0.0), collective="pmean")
+    config = jax_impl.StepConfig(
+        optimizer=optax.sgd(0.0), scheme=f"constant:{C}", collective="pmean"
+    )
     gradients = jax_impl.make_pmap_gradients(config, R)
     params = jax_impl.params_from_numpy(fixture.params(), "float32")
-    out = gradients(params, laid_out(fixture, R, M), "constant", constant_normalizer=C)
+    out = gradients(params, laid_out(fixture, R, M))
     want = loss_and_grad(fixture, Constant(normalizer=C), R, M)
     assert float(out.global_denominator) == C
     err = tree_rel_err({k: np.asarray(v) for k, v in out.grads.items()}, want.grads)

@@ -119,14 +119,21 @@ def rank_counts(fixture_name: str, R: int) -> list[int]:
     return [int(block.sum()) for block in np.split(valid, R)]
 
 
-def step_configs(front_end: str) -> list[jax_impl.StepConfig]:
-    """precount and postnorm; precount reduces with pmean (s = R, as DDP) where there is a
-    collective to choose, global-view jit has none."""
+def step_configs(front_end: str, schemes: Sequence[str]) -> list[jax_impl.StepConfig]:
+    """precount and postnorm of each scheme, scheme by scheme (one sweep holds them all);
+    precount reduces with pmean (s = R, as DDP) where there is a collective to choose,
+    global-view jit has none."""
     optimizer = optax.sgd(0.1)  # unused: the tests read the reduced gradient and D
     collective = "psum" if front_end == "jit" else "pmean"
     return [
-        jax_impl.StepConfig(optimizer=optimizer, strategy="precount", collective=collective),
-        jax_impl.StepConfig(optimizer=optimizer, strategy="postnorm"),
+        config
+        for scheme in schemes
+        for config in (
+            jax_impl.StepConfig(
+                optimizer=optimizer, scheme=scheme, strategy="precount", collective=collective
+            ),
+            jax_impl.StepConfig(optimizer=optimizer, scheme=scheme, strategy="postnorm"),
+        )
     ]
 
 
@@ -139,7 +146,9 @@ def step_records(
     records = []
     for front_end in front_ends:
         for world_size in sorted({R for _, _, R, _ in cases}):
-            sweep, place = build_sweep(front_end, step_configs(front_end), world_size)
+            schemes = sorted({scheme for _, scheme, r, _ in cases if r == world_size})
+            configs = step_configs(front_end, schemes)
+            sweep, place = build_sweep(front_end, configs, world_size)
             for fixture_name, scheme, R, M in cases:
                 if world_size != R:
                     continue
@@ -151,7 +160,8 @@ def step_records(
                 )
                 batch, params = place(laid_out, jax_impl.params_from_numpy(fixture.params(), dtype))
                 want = loss_and_grad(fixture, scheme, R, M)
-                outs = sweep([params, params], batch, scheme)
+                first = schemes.index(scheme) * len(STRATEGIES)
+                outs = sweep([params] * len(configs), batch)[first : first + len(STRATEGIES)]
                 for strategy, out in zip(STRATEGIES, outs, strict=True):
                     grads = {k: np.asarray(v, dtype=np.float64) for k, v in out.grads.items()}
                     records.append(
@@ -221,13 +231,15 @@ def test_bf16_accidental_local_means_divide_by_exact_counts() -> None:
     batch = jax_impl.lay_out_global_batch(arrays, 1, 1, vocab_size=fixture.vocab_size)
     params = jax_impl.params_from_numpy(fixture.params(), "bfloat16")
     common = {"optimizer": optax.sgd(0.1)}
+    # The hand-written accidental gradients are gone: the same loops as the specs' naive step.
+    naive = {"strategy": "precount", "collective": "pmean"}
     configs = [
         jax_impl.StepConfig(**common),
-        jax_impl.StepConfig(gradients=jax_impl.rank_mean_gradients, **common),
-        jax_impl.StepConfig(gradients=jax_impl.microbatch_mean_gradients, **common),
+        jax_impl.StepConfig(scheme="rank_mean", **naive, **common),
+        jax_impl.StepConfig(scheme="microbatch_mean", **naive, **common),
     ]
     token_mean, rank_mean, microbatch_mean = jax_impl.make_pmap_sweep(configs, 1)(
-        [params] * 3, batch, "token_mean"
+        [params] * 3, batch
     )
     assert float(token_mean.global_denominator) == 549  # an integer: exact or wrong
     want = float(token_mean.loss)
@@ -296,17 +308,19 @@ def test_bf16_resume_mid_window_sums_weights_like_an_unbroken_window(tmp_path: P
     arrays = {key: getattr(fixture, key) for key in BATCH_KEYS}
     batch = jax_impl.lay_out_global_batch(arrays, 2, 2, vocab_size=fixture.vocab_size)
     params = jax_impl.params_from_numpy(fixture.params(), "bfloat16")
-    config = jax_impl.StepConfig(optimizer=optax.adamw(1e-2), strategy="postnorm")
+    config = jax_impl.StepConfig(
+        optimizer=optax.adamw(1e-2), scheme="weighted_mean", strategy="postnorm"
+    )
     loop = ResumableLoop(config, 2, 2)
     fingerprint = batch_fingerprint(arrays)
-    unbroken = loop.run(loop.init(params), batch, "weighted_mean", until_updates=2)
-    stopped = loop.run(
-        loop.init(params), batch, "weighted_mean", until_updates=1, then_microbatches=1
-    )
-    assert stopped.partial.weight_sums.hi.dtype == np.float32
-    save_train_state(tmp_path / "ckpt", loop, stopped, "weighted_mean", fingerprint)
-    restored = restore_train_state(tmp_path / "ckpt", loop, params, "weighted_mean", fingerprint)
-    resumed = loop.run(restored, batch, "weighted_mean", until_updates=2)
+    unbroken = loop.run(loop.init(params), batch, until_updates=2)
+    stopped = loop.run(loop.init(params), batch, until_updates=1, then_microbatches=1)
+    # The partial window keeps no weight-sum pairs any more (postnorm reduces D's channels at
+    # the window's end): its loss sums and saved D are checked to be float32, not bfloat16.
+    assert stopped.partial.loss_sums.dtype == stopped.partial.denominator.dtype == np.float32
+    save_train_state(tmp_path / "ckpt", loop, stopped, fingerprint)
+    restored = restore_train_state(tmp_path / "ckpt", loop, params, fingerprint)
+    resumed = loop.run(restored, batch, until_updates=2)
     for key in params:
         np.testing.assert_array_equal(
             np.asarray(resumed.params[key], np.float32),
@@ -402,11 +416,16 @@ def test_narrow_weights_and_denominators_are_refused() -> None:
     arrays = {key: getattr(fixture, key) for key in BATCH_KEYS}
     with pytest.raises(ValueError, match="weights_dtype=float32"):
         jax_impl.lay_out_global_batch(arrays, 1, 1, vocab_size=40, weights_dtype="bfloat16")
-    mb = jax_impl.lay_out_global_batch(arrays, 1, 1, vocab_size=40)
+    batch = jax_impl.lay_out_global_batch(arrays, 1, 1, vocab_size=40)
+    narrow = dataclasses.replace(batch, weights=batch.weights.astype(jnp.bfloat16))
+    params = jax_impl.params_from_numpy(fixture.params(), "float32")
+    # scheme_terms is gone: the same refusal checked where the spec path reads the weights,
+    # a micro-step's loss and d, and the step.
     with pytest.raises(ValueError, match="already rounded to 8 significant bits"):
-        jax_impl.scheme_terms(
-            "weighted_mean", mb.targets, mb.segment_ids, mb.weights.astype(jnp.bfloat16)
-        )
+        jax_impl.microbatch_loss(params, jax.tree.map(lambda x: x[0, 0], narrow), "weighted_mean")
+    config = jax_impl.StepConfig(optimizer=optax.sgd(1.0), scheme="weighted_mean")
+    with pytest.raises(ValueError, match="already rounded to 8 significant bits"):
+        jax_impl.make_pmap_gradients(config, 1)(params, narrow)
     with pytest.raises(ValueError, match="denominator_dtype=bfloat16"):
         jax_impl.token_weighted_accumulation(optax.sgd(1.0), 1, denominator_dtype=jnp.bfloat16)
 

@@ -35,10 +35,12 @@ from crosscheck import builtin_fixture
 from jax_impl.harness.multiprocess import launch_multiprocess, variant_name
 
 IN_PROCESS = ("pmap", "shard_map", "jit")
-# Each runner compiles ~100 small programs and checks ~2500 cases: 1-1.5 minutes on 2 free
-# cores, up to ~3 on a busy machine. The bounds only turn a hang into a failure; the pytest
-# timeout of the first front-end test (whose setup runs both runners) sits above them.
-RUNNERS_TIMEOUT_S = 360
+# Each runner compiles a program per front-end, layout and batch shape and checks ~2500 cases:
+# 79 s alone on 2 free cores (float32; every program holds all 18 (scheme, strategy) configs,
+# their accumulations batched into one scan), up to ~4 minutes with both runners on a busy
+# machine. The bounds only turn a hang into a failure; the pytest timeout of the first
+# front-end test (whose setup runs both runners) sits above them.
+RUNNERS_TIMEOUT_S = 600
 MULTIPROCESS_TIMEOUT_S = 240
 
 

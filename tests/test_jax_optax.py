@@ -40,7 +40,7 @@ def inner_optimizer() -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), adamw)
 
 
-def microbatches(fixture_name: str, R: int, M: int) -> jax_impl.Microbatch:
+def microbatches(fixture_name: str, R: int, M: int) -> jax_impl.Batch:
     fixture = builtin_fixture(fixture_name)
     arrays = {k: getattr(fixture, k) for k in ("inputs", "targets", "segment_ids", "weights")}
     return jax_impl.lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
@@ -54,7 +54,7 @@ def oracle_params(fixture: str, scheme: str, R: int, M: int) -> list[dict]:
     return [r.params for r in records]
 
 
-def unnormalized_grads(params, mb: jax_impl.Microbatch, scheme: str):
+def unnormalized_grads(params, mb: jax_impl.Batch, scheme: str):
     """Gradient of sum_t a_t l_t and this microbatch's d (count or weight sum)."""
 
     def loss(p):
@@ -66,7 +66,7 @@ def unnormalized_grads(params, mb: jax_impl.Microbatch, scheme: str):
     return grads, d
 
 
-def mean_grads(params, mb: jax_impl.Microbatch):
+def mean_grads(params, mb: jax_impl.Batch):
     """What most loops backpropagate: this microbatch's own token mean."""
     return jax.grad(jax_impl.local_mean_loss)(params, mb)
 

@@ -15,6 +15,8 @@ gradient is caught by the same comparison (the comparison can fail).
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -94,17 +96,18 @@ def f32():
         c.learning_rate, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay
     )
     config = jax_impl.StepConfig(
-        optimizer=optimizer, strategy="postnorm", max_grad_norm=SETTINGS.max_grad_norm
+        optimizer=optimizer,
+        scheme="token_mean",
+        strategy="postnorm",
+        max_grad_norm=SETTINGS.max_grad_norm,
     )
     loop = ResumableLoop(config, 2, 2)
     batch = jax_impl.lay_out_global_batch(
         global_batch, 2, 2, vocab_size=fixture.vocab_size, weights_dtype=np.float32
     )
     params0 = jax_impl.params_from_numpy(fixture.params(), np.float32)
-    full = loop.run(loop.init(params0), batch, "token_mean", until_updates=NUM_UPDATES)
-    stopped = loop.run(
-        loop.init(params0), batch, "token_mean", until_updates=1, then_microbatches=1
-    )
+    full = loop.run(loop.init(params0), batch, until_updates=NUM_UPDATES)
+    stopped = loop.run(loop.init(params0), batch, until_updates=1, then_microbatches=1)
     return {
         "loop": loop,
         "batch": batch,
@@ -118,18 +121,18 @@ def f32():
 def _save(f32, path: Path) -> Path:
     from jax_impl.resume import save_train_state
 
-    return save_train_state(path, f32["loop"], f32["stopped"], "token_mean", f32["fingerprint"])
+    return save_train_state(path, f32["loop"], f32["stopped"], f32["fingerprint"])
 
 
 def _restore(f32, path: Path, loop=None):
     from jax_impl.resume import restore_train_state
 
     loop = loop or f32["loop"]
-    return restore_train_state(path, loop, f32["params0"], "token_mean", f32["fingerprint"])
+    return restore_train_state(path, loop, f32["params0"], f32["fingerprint"])
 
 
 def _finish(f32, state) -> dict[str, np.ndarray]:
-    state = f32["loop"].run(state, f32["batch"], "token_mean", until_updates=NUM_UPDATES)
+    state = f32["loop"].run(state, f32["batch"], until_updates=NUM_UPDATES)
     return {k: np.asarray(v) for k, v in state.params.items()}
 
 
@@ -175,14 +178,19 @@ def test_unfinalized_checkpoint_is_never_restored(f32, tmp_path) -> None:
 
 def test_mid_window_checkpoint_refuses_another_layout(f32, tmp_path) -> None:
     from jax_impl.checkpoint import CheckpointError
-    from jax_impl.resume import ResumableLoop, restore_train_state
+    from jax_impl.resume import ResumableLoop, restore_train_state, scheme_label
 
     path = _save(f32, tmp_path / "ckpt")
     other = ResumableLoop(f32["loop"].config, 1, 4)
     with pytest.raises(CheckpointError, match=r"resumes only at R=2,M=2 \(not R=1,M=4\)"):
         _restore(f32, path, other)
     loop, params0 = f32["loop"], f32["params0"]
-    with pytest.raises(CheckpointError, match="scheme='token_mean', this run scheme='sum'"):
-        restore_train_state(path, loop, params0, "sum", f32["fingerprint"])
+    # Rewritten: restore lost its scheme argument (the loop's StepConfig holds the scheme), so
+    # another scheme is now a loop built with another scheme spec (at the same layout).
+    summing = ResumableLoop(dataclasses.replace(loop.config, scheme="sum"), 2, 2)
+    saved, here = (scheme_label(s) for s in (loop.config.scheme, summing.config.scheme))
+    refused = re.escape(f"checkpoint has scheme={saved!r}, this run scheme={here!r}")
+    with pytest.raises(CheckpointError, match=refused):
+        restore_train_state(path, summing, params0, f32["fingerprint"])
     with pytest.raises(CheckpointError, match="batch_fingerprint"):
-        restore_train_state(path, loop, params0, "token_mean", "another batch")
+        restore_train_state(path, loop, params0, "another batch")

@@ -13,13 +13,15 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jax_impl
-import jax_impl.losses
+import jax_impl.token_weighted
 from crosscheck import BUILTIN_FIXTURES, INTENDED_SCHEMES, builtin_fixture, get_scheme
 from crosscheck import random_fixture as make_random_fixture
 from crosscheck.contract.oracle import token_terms
+from jax_impl.spec_counts import rank_spec_terms
 
 # float32 against float64: a_t = 1/n and l_t are single roundings of O(1) values (~6e-8 each);
 # 1e-6 relative admits that and nothing a wrong group or count could produce (>= 1/T ~ 1e-3).
@@ -39,28 +41,49 @@ def get_fixture(name: str):
     return builtin_fixture(name)
 
 
+def laid_out_batch(fixture, R: int, M: int) -> jax_impl.Batch:
+    """The fixture's rows laid out over (R, M) by jax_impl (the crosscheck layout's split)."""
+    arrays = {k: getattr(fixture, k) for k in ("inputs", "targets", "segment_ids", "weights")}
+    return jax_impl.lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
+
+
+def spec_terms(specs: tuple[jax_impl.SchemeSpec, ...], batch: jax_impl.Batch) -> tuple:
+    """Each spec's a_t and D's parts per microbatch, the ranks under a named vmap (one
+    program for all of `specs`)."""
+
+    def per_rank(rank_batch: jax_impl.Batch) -> tuple:
+        return tuple(rank_spec_terms(spec, rank_batch, "data")[0] for spec in specs)
+
+    return jax.vmap(per_rank, axis_name="data")(batch)
+
+
 @pytest.mark.parametrize("fixture_name", FIXTURES)
 def test_scheme_terms_match_the_contract(fixture_name: str) -> None:
-    """Every scheme's a_t and d, per microbatch, static and traced (lax.switch) alike."""
+    """Every scheme's a_t and d, per microbatch, each spec in its own program and all specs
+    in one program alike."""
+    # The v1 enum and its lax.switch are gone: the same a_t and d checked through the spec
+    # path, one program per spec and one program holding every scheme's spec.
     fixture = get_fixture(fixture_name)
     M = 2 if fixture.num_rows % 2 == 0 else 1
     laid_out = fixture.layout(1, M)
-    args = (laid_out.targets, laid_out.segment_ids, laid_out.weights.astype(np.float32))
-    switch_terms = jax.jit(jax_impl.scheme_terms)
-    for scheme_name in INTENDED_SCHEMES:
+    batch = laid_out_batch(fixture, 1, M)
+    specs = tuple(jax_impl.named_spec(name) for name in INTENDED_SCHEMES)
+    together = jax.jit(lambda b: spec_terms(specs, b))(batch)
+    for scheme_name, spec, joint in zip(INTENDED_SCHEMES, specs, together, strict=True):
         contract = get_scheme(scheme_name)
         # The contract's a_t, and each microbatch's d: its spec's D at microbatch scope.
         a = contract.token_weights(laid_out)
         d_want = replace(contract, scope="microbatch").unit_denominators(laid_out)
-        index = jnp.int32(jax_impl.Scheme.from_name(scheme_name))
-        # [1, M, B, T] stacks: both paths vectorize over the leading microbatch axes.
-        for terms in (jax_impl.scheme_terms(scheme_name, *args), switch_terms(index, *args)):
+        (alone,) = jax.jit(lambda b, spec=spec: spec_terms((spec,), b))(batch)
+        # [1, M, B, T] stacks: the rank axis first, then the microbatches.
+        for terms in (alone, joint):
             for _, m, _ in laid_out.microbatches():
                 np.testing.assert_allclose(
                     terms.token_weights[0, m], a[0, m], rtol=F32_ELEMENT_RTOL,
                     err_msg=f"{fixture.name}/{scheme_name}: a_t of microbatch {m}",
                 )  # fmt: skip
-                d = int(terms.count[0, m]) + float(terms.weight_sum.value()[0, m])
+                parts = terms.parts
+                d = int(parts.mb_count[0, m]) + float(parts.mb_weight.value()[0, m])
                 if scheme_name != "sum":  # sum: D fixed to 1, no d per microbatch
                     assert d == pytest.approx(d_want[m], rel=F32_ELEMENT_RTOL), (
                         f"{fixture.name}/{scheme_name}: d of microbatch {m} = {d}, contract "
@@ -71,16 +94,17 @@ def test_scheme_terms_match_the_contract(fixture_name: str) -> None:
 def test_counts_stay_in_the_integer_channel() -> None:
     """Counting schemes carry d as int32 (exact past 2^24), weighted_mean as a float pair in
     the denominator dtype (float32 here, x64 off)."""
-    mb = numpy_microbatches(builtin_fixture("packed"), 1, 1)[0]
-    args = (mb.targets, mb.segment_ids, mb.weights.astype(np.float32))
-    for scheme in jax_impl.Scheme:
-        terms = jax_impl.scheme_terms(scheme, *args)
-        assert terms.count.dtype == jnp.int32
-        assert terms.weight_sum.hi.dtype == terms.weight_sum.lo.dtype == jnp.float32
-        if scheme is jax_impl.Scheme.WEIGHTED_MEAN:
-            assert int(terms.count) == 0 and float(terms.weight_sum.value()) > 0
+    # The v1 enum is gone: the same channels checked for every v1 name's spec.
+    batch = laid_out_batch(builtin_fixture("packed"), 1, 1)
+    for name in INTENDED_SCHEMES:
+        (terms,) = spec_terms((jax_impl.named_spec(name),), batch)
+        count, weight_sum = terms.parts.mb_count, terms.parts.mb_weight
+        assert count.dtype == jnp.int32
+        assert weight_sum.hi.dtype == weight_sum.lo.dtype == jnp.float32
+        if name == "weighted_mean":
+            assert int(count[0, 0]) == 0 and float(weight_sum.value()[0, 0]) > 0
         else:
-            assert float(terms.weight_sum.value()) == 0
+            assert float(weight_sum.value()[0, 0]) == 0
 
 
 def test_model_loads_numpy_params_and_matches_the_oracle_losses() -> None:
@@ -108,35 +132,46 @@ def test_ignored_targets_give_zero_loss_and_finite_zero_gradients() -> None:
     fixture = builtin_fixture("empty-rank")
     params = jax_impl.params_from_numpy(fixture.params(), jnp.float32)
     rows = slice(4, 8)  # every target of these rows is ignored
-    mb = jax_impl.Microbatch(
-        fixture.inputs[rows], fixture.targets[rows], fixture.segment_ids[rows],
-        fixture.weights[rows].astype(np.float32),
-    )  # fmt: skip
+    arrays = {k: getattr(fixture, k)[rows] for k in ("inputs", "targets", "segment_ids", "weights")}
+    batch = jax_impl.lay_out_global_batch(arrays, 1, 1, vocab_size=fixture.vocab_size)
+    mb = jax.tree.map(lambda x: x[0, 0], batch)
     assert (fixture.targets[rows] == jax_impl.IGNORE_INDEX).all()
+    # The traced scheme index is gone: one program computes every scheme's loss sum, d and
+    # gradient (microbatch_loss refuses sum, whose D is fixed: no d of a micro-step).
+    local = [s for s in INTENDED_SCHEMES if s != "sum"]
+    with pytest.raises(ValueError, match="its D is fixed"):
+        jax_impl.microbatch_loss(params, mb, "sum")
 
     @jax.jit
-    def loss_and_grads(p, scheme_index):
-        def loss_sum(p):
-            out = jax_impl.microbatch_loss(p, mb, scheme_index)
+    def loss_and_grads(p):
+        def loss_sum(p, scheme):
+            out = jax_impl.microbatch_loss(p, mb, scheme)
             return out.loss_sum, out
 
-        return jax.value_and_grad(loss_sum, has_aux=True)(p)
+        return [jax.value_and_grad(loss_sum, has_aux=True)(p, s) for s in local]
 
-    for scheme in INTENDED_SCHEMES:
-        index = jnp.int32(jax_impl.Scheme.from_name(scheme))
-        (value, aux), grads = loss_and_grads(params, index)
+    for scheme, ((value, aux), grads) in zip(local, loss_and_grads(params), strict=True):
         d = int(aux.count) + float(aux.weight_sum)
         # constant's d counts every position of the microbatch, ignored or not.
         positions = fixture.targets[rows].size
         assert float(value) == 0.0 and d == (positions if scheme == "constant" else 0), scheme
         for name, g in grads.items():
             assert np.isfinite(g).all() and not np.any(g), f"{scheme}: {name} gradient"
+    # Every scheme, sum included, in one sweep of the step: loss 0 and gradient exactly 0.
+    configs = [
+        jax_impl.StepConfig(optimizer=optax.sgd(0.1), scheme=scheme) for scheme in INTENDED_SCHEMES
+    ]
+    outs = jax_impl.make_pmap_sweep(configs, 1)([params] * len(configs), batch)
+    for scheme, out in zip(INTENDED_SCHEMES, outs, strict=True):
+        assert float(out.loss) == 0.0, scheme
+        for name, g in out.grads.items():
+            assert np.isfinite(g).all() and not np.any(g), f"{scheme} step: {name} gradient"
     mean = jax_impl.local_mean_loss(params, mb)
     assert float(mean) == 0.0
 
 
 def test_microbatch_loss_docstring_example() -> None:
-    failures, tried = doctest.testmod(jax_impl.losses, verbose=False)
+    failures, tried = doctest.testmod(jax_impl.token_weighted, verbose=False)
     assert tried > 0 and failures == 0
 
 
@@ -177,10 +212,11 @@ def test_bad_input_names_what_and_where() -> None:
         jax_impl.validate_global_batch(dict(batch, weights=np.ones((8, 64), np.int32)), V)
     with pytest.raises(ValueError, match="8 rows cannot be split over world_size=3"):
         jax_impl.lay_out_global_batch(batch, 3, 1, vocab_size=V)
-    with pytest.raises(ValueError, match="unknown scheme 'token-mean'"):
-        jax_impl.Scheme.from_name("token-mean")
-    with pytest.raises(ValueError, match=r"unknown scheme 9; known schemes: token_mean \(0\)"):
-        jax_impl.Scheme.from_name(9)
+    # The v1 enum is gone: an unknown name, or a number, is refused by the spec lookup.
+    with pytest.raises(ValueError, match=r"unknown spec name 'token-mean'; known: .*token_mean"):
+        jax_impl.named_spec("token-mean")
+    with pytest.raises(ValueError, match="a spec is a dict, a SchemeSpec or a name, got 9"):
+        jax_impl.parse_spec(9)
     with pytest.raises(ValueError, match="embed must be"):
         jax_impl.params_from_numpy({"embed": fixture.embed, "unembed": fixture.embed}, jnp.float32)
     with pytest.raises(RuntimeError, match="world_size=9 needs 9 devices, found 8"):
@@ -188,8 +224,6 @@ def test_bad_input_names_what_and_where() -> None:
 
 
 def test_configs_refuse_what_their_front_end_cannot_do() -> None:
-    import optax
-
     with pytest.raises(ValueError, match="postnorm reduces unnormalized sums"):
         jax_impl.StepConfig(optimizer=optax.sgd(0.1), strategy="postnorm", collective="pmean")
     with pytest.raises(ValueError, match="'precount-ish' is not a valid Strategy"):
@@ -205,4 +239,4 @@ def test_configs_refuse_what_their_front_end_cannot_do() -> None:
     update = jax_impl.make_pmap_update(jax_impl.StepConfig(optimizer=optax.sgd(0.1)), 4)
     params = jax_impl.params_from_numpy(builtin_fixture("packed").params(), jnp.float32)
     with pytest.raises(ValueError, match=r"batch.inputs must be \[R=4, M, B, T\]"):
-        update(params, optax.sgd(0.1).init(params), batch, "token_mean")
+        update(params, optax.sgd(0.1).init(params), batch)

@@ -5,12 +5,12 @@ packed document's logits equal the same document's alone, shapes refused, float6
 without x64.
 
 In one x64 subprocess (tests/transformer_jax_runner.py, a mesh of R fake CPU devices): the
-project's per-rank steps (``jax_impl.accumulate.rank_gradients`` and
-``jax_impl.spec_step.SpecGradients``, given the transformer's ``token_losses``) under
-``shard_map``, precount (with pmean: s = R) and postnorm, for token_mean and
-sequence_mean on ``packed`` and ``group_token_mean`` on ``rollouts``, R in {1, 2, 4},
-M in {1, 2}: the reduced gradient must equal the single-process gradient of the intended
-objective. Then that single-process gradient must equal torch's.
+project's per-rank step (``jax_impl.accumulate.rank_gradients``, given the transformer's
+``token_losses`` through ``StepConfig(token_losses_fn=...)``) under ``shard_map``, precount
+(with pmean: s = R) and postnorm, for token_mean and sequence_mean on ``packed`` and
+``group_token_mean`` on ``rollouts``, R in {1, 2, 4}, M in {1, 2}: the reduced gradient
+must equal the single-process gradient of the intended objective. Then that single-process
+gradient must equal torch's.
 """
 
 from __future__ import annotations

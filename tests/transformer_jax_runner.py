@@ -10,17 +10,16 @@
   test to compare with torch's.
 
 The distributed updates are the project's own steps under ``shard_map`` on a mesh of R fake
-CPU devices, given the transformer's per-token losses: ``jax_impl.accumulate.rank_gradients``
-for token_mean and sequence_mean (the scheme is a traced index, so one compiled program per
-layout serves both and all three strategies), ``jax_impl.spec_step.SpecGradients`` for the
-group mean. The single-process reference is ``jax.grad`` of sum_t c_t l_t over the whole
-global batch, with c_t = a_t / D from the numpy oracle's scheme objects.
+CPU devices, given the transformer's per-token losses (``StepConfig(token_losses_fn=...)``,
+which ``jax_impl.accumulate.rank_gradients`` runs): one sweep per layout holds token_mean
+and sequence_mean in both strategies (one compiled program for the four), another the group
+mean on ``rollouts``. The single-process reference is ``jax.grad`` of sum_t c_t l_t over the
+whole global batch, with c_t = a_t / D from the numpy oracle's scheme objects.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 from pathlib import Path
 
@@ -36,12 +35,9 @@ from transformer_reference import intended_weights  # noqa: E402
 from crosscheck import builtin_fixture  # noqa: E402
 from crosscheck.judge.compare import tree_rel_err  # noqa: E402
 from jax_impl import transformer  # noqa: E402
-from jax_impl.accumulate import Collective, Strategy, rank_gradients  # noqa: E402
+from jax_impl.accumulate import Collective, Strategy  # noqa: E402
 from jax_impl.batch import lay_out_global_batch  # noqa: E402
 from jax_impl.shard_map_step import data_mesh, make_shard_map_sweep  # noqa: E402
-from jax_impl.spec import named_spec  # noqa: E402
-from jax_impl.spec_batch import lay_out_spec_batch  # noqa: E402
-from jax_impl.spec_step import SpecGradients  # noqa: E402
 from jax_impl.update import StepConfig  # noqa: E402
 
 LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
@@ -97,32 +93,26 @@ def record(fixture: str, scheme: str, R: int, M: int, variant, grads, want) -> d
     }
 
 
+def step_configs(scheme: str) -> list[StepConfig]:
+    """`scheme` in every variant, on the transformer's per-token losses."""
+    return [
+        StepConfig(
+            optimizer=optax.sgd(0.1),
+            scheme=scheme,
+            strategy=strategy,
+            collective=collective,
+            token_losses_fn=transformer.token_losses,
+        )
+        for strategy, collective in VARIANTS
+    ]
+
+
 def run(out: Path) -> None:
     params = transformer.initial_params(jnp.float64)
     references = {case: reference(*case, params) for case in (*V1_CASES, GROUP_CASE)}
     np.savez(out / "single_process.npz", **references[("packed", "token_mean")])
-    v1_configs = [
-        StepConfig(
-            optimizer=optax.sgd(0.1),
-            gradients=functools.partial(
-                rank_gradients,
-                strategy=strategy,
-                collective=collective,
-                token_losses_fn=transformer.token_losses,
-            ),
-        )
-        for strategy, collective in VARIANTS
-    ]
-    group_spec = named_spec(GROUP_CASE[1])
-    group_configs = [
-        StepConfig(
-            optimizer=optax.sgd(0.1),
-            gradients=SpecGradients(
-                group_spec, strategy, collective, token_losses_fn=transformer.token_losses
-            ),
-        )
-        for strategy, collective in VARIANTS
-    ]
+    v1_configs = [config for _, scheme in V1_CASES for config in step_configs(scheme)]
+    group_configs = step_configs(GROUP_CASE[1])
     packed, rollouts = builtin_fixture("packed"), builtin_fixture("rollouts")
     vocab = transformer.TRANSFORMER_CONFIG.vocab
     records = []
@@ -131,18 +121,15 @@ def run(out: Path) -> None:
         batch = lay_out_global_batch(
             {k: getattr(packed, k) for k in TOKEN_KEYS}, R, M, vocab_size=vocab
         )
-        sweep = make_shard_map_sweep(v1_configs, mesh)
+        outs = iter(make_shard_map_sweep(v1_configs, mesh)([params] * len(v1_configs), batch))
         for fixture, scheme in V1_CASES:
-            outs = sweep([params] * len(VARIANTS), batch, scheme)
             want = references[(fixture, scheme)]
-            records += [
-                record(fixture, scheme, R, M, v, o.grads, want)
-                for v, o in zip(VARIANTS, outs, strict=True)
-            ]
-        spec_batch = lay_out_spec_batch(
+            records += [record(fixture, scheme, R, M, v, next(outs).grads, want) for v in VARIANTS]
+        group_batch = lay_out_global_batch(
             {k: getattr(rollouts, k) for k in (*TOKEN_KEYS, *ROW_FIELDS)}, R, M, vocab_size=vocab
         )
-        outs = make_shard_map_sweep(group_configs, mesh)([params] * len(VARIANTS), spec_batch)
+        sweep = make_shard_map_sweep(group_configs, mesh)
+        outs = sweep([params] * len(group_configs), group_batch)
         want = references[GROUP_CASE]
         records += [
             record(*GROUP_CASE, R, M, v, o.grads, want) for v, o in zip(VARIANTS, outs, strict=True)

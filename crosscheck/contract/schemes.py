@@ -182,8 +182,8 @@ def is_v1_scheme(scheme: SchemeSpec) -> bool:
     """Whether `scheme` is one of contract v1's, by name and content (`SCHEMES`, ``constant:C``).
 
     Such a scheme is judged on v1's fixtures by default (``crosscheck verify``, where another
-    spec also gets contract v2's fixtures), and JAX computes it by its v1 code, every other
-    spec by its spec code (torch computes every scheme as a spec)."""
+    spec also gets contract v2's fixtures). Both frameworks compute every scheme, v1's
+    included, as a spec; the matrix runs v1's in every dtype and the other specs in float64."""
     try:
         return get_scheme(scheme.name) == scheme
     except ValueError:

@@ -129,11 +129,12 @@ def _optimizer(settings: TrainSettings):
     return optax.adamw(**spec)
 
 
-def _config(strategy: str, settings: TrainSettings, optimizer):
+def _config(scheme: str, strategy: str, settings: TrainSettings, optimizer):
     import jax_impl
 
     return jax_impl.StepConfig(
         optimizer=optimizer,
+        scheme=scheme,
         strategy=strategy,
         collective=COLLECTIVE[strategy],
         max_grad_norm=settings.max_grad_norm,
@@ -165,44 +166,51 @@ def _checkpoint_dir(root: str, index: int) -> Path:
 
 
 def _baselines(cases: Sequence[ResumeCase], settings: TrainSettings, dtype: str) -> dict:
-    """Uninterrupted runs with the reference pmap step, both strategies in one sweep."""
+    """Uninterrupted runs with the reference pmap step: per world size, every scheme and
+    strategy of its cases side by side in one sweep."""
     import jax
 
     import jax_impl
 
     optimizer = _optimizer(settings)
-    configs = [_config(s, settings, optimizer) for s in STRATEGIES]
-    runs = sorted(
-        {(c.fixture, c.scheme, c.world_size, c.accum_steps, c.num_updates) for c in cases}
-    )
-    sweeps, finals = {}, {}
-    for fixture, scheme, R, M, n in runs:
-        if R not in sweeps:
-            sweeps[R] = jax_impl.make_pmap_sweep(configs, R)
-        batch, params0, _ = _problem(fixture, R, M, dtype)
-        params0 = jax.device_put(params0, jax_impl.require_devices(R)[0])
-        params = [params0] * len(configs)
-        states = [jax_impl.init_opt_state(optimizer, params0)] * len(configs)
-        for _ in range(n):
-            reduced = sweeps[R](params, batch, scheme)
-            for v, config in enumerate(configs):
-                out = jax_impl.apply_optimizer(reduced[v], params[v], states[v], config)
-                params[v], states[v] = out.params, out.opt_state
-        for v, strategy in enumerate(STRATEGIES):
-            finals[(fixture, scheme, strategy, R, M, n)] = _numpy(params[v])
+    finals = {}
+    for R in sorted({c.world_size for c in cases}):
+        keys = [
+            (scheme, strategy)
+            for scheme in sorted({c.scheme for c in cases if c.world_size == R})
+            for strategy in STRATEGIES
+        ]
+        configs = [_config(scheme, strategy, settings, optimizer) for scheme, strategy in keys]
+        sweep = jax_impl.make_pmap_sweep(configs, R)
+        runs = sorted(
+            {(c.fixture, c.accum_steps, c.num_updates) for c in cases if c.world_size == R}
+        )
+        for fixture, M, n in runs:
+            batch, params0, _ = _problem(fixture, R, M, dtype)
+            params0 = jax.device_put(params0, jax_impl.require_devices(R)[0])
+            params = [params0] * len(configs)
+            states = [jax_impl.init_opt_state(optimizer, params0)] * len(configs)
+            for _ in range(n):
+                reduced = sweep(params, batch)
+                for v, config in enumerate(configs):
+                    out = jax_impl.apply_optimizer(reduced[v], params[v], states[v], config)
+                    params[v], states[v] = out.params, out.opt_state
+            for v, (scheme, strategy) in enumerate(keys):
+                finals[(fixture, scheme, strategy, R, M, n)] = _numpy(params[v])
     return finals
 
 
 def _loops(settings: TrainSettings):
-    """A cache of ResumableLoop by (strategy, R, M): each compiles its programs once."""
+    """A cache of ResumableLoop by (scheme, strategy, R, M): each compiles its programs once."""
     from jax_impl.resume import ResumableLoop
 
     optimizer, loops = _optimizer(settings), {}
 
-    def get(strategy: str, R: int, M: int) -> ResumableLoop:
-        if (strategy, R, M) not in loops:
-            loops[(strategy, R, M)] = ResumableLoop(_config(strategy, settings, optimizer), R, M)
-        return loops[(strategy, R, M)]
+    def get(scheme: str, strategy: str, R: int, M: int) -> ResumableLoop:
+        key = (scheme, strategy, R, M)
+        if key not in loops:
+            loops[key] = ResumableLoop(_config(scheme, strategy, settings, optimizer), R, M)
+        return loops[key]
 
     return get
 
@@ -211,18 +219,17 @@ def _stop(case: ResumeCase, index: int, job: dict, loop_for) -> None:
     """Phase 1 of one case: run to the stop and checkpoint."""
     from jax_impl.resume import save_train_state
 
-    loop = loop_for(case.strategy, case.world_size, case.accum_steps)
+    loop = loop_for(case.scheme, case.strategy, case.world_size, case.accum_steps)
     batch, params0, fingerprint = _problem(
         case.fixture, case.world_size, case.accum_steps, job["dtype"]
     )
     state = loop.run(
         loop.init(params0),
         batch,
-        case.scheme,
         until_updates=case.stop_after_updates,
         then_microbatches=case.stop_after_microbatches,
     )
-    save_train_state(_checkpoint_dir(job["root"], index), loop, state, case.scheme, fingerprint)
+    save_train_state(_checkpoint_dir(job["root"], index), loop, state, fingerprint)
 
 
 def _resume(case: ResumeCase, index: int, job: dict, loop_for) -> dict[str, np.ndarray]:
@@ -230,12 +237,10 @@ def _resume(case: ResumeCase, index: int, job: dict, loop_for) -> dict[str, np.n
     from jax_impl.resume import restore_train_state
 
     R, M = case.resume_world_size, case.resume_accum_steps
-    loop = loop_for(case.strategy, R, M)
+    loop = loop_for(case.scheme, case.strategy, R, M)
     batch, params0, fingerprint = _problem(case.fixture, R, M, job["dtype"])
-    state = restore_train_state(
-        _checkpoint_dir(job["root"], index), loop, params0, case.scheme, fingerprint
-    )
-    state = loop.run(state, batch, case.scheme, until_updates=case.num_updates)
+    state = restore_train_state(_checkpoint_dir(job["root"], index), loop, params0, fingerprint)
+    state = loop.run(state, batch, until_updates=case.num_updates)
     return _numpy(state.params)
 
 

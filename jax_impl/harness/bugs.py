@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jax_impl.batch import Batch
 from jax_impl.harness.bugs_common import (
     BugStep,
     State,
@@ -34,7 +35,6 @@ from jax_impl.harness.bugs_common import (
     valid,
 )
 from jax_impl.harness.bugs_groups import GROUP_BUG_STEPS
-from jax_impl.losses import Microbatch
 from jax_impl.model import Params
 
 #: Id of the calibration step (crosscheck.diagnosis.patterns.RANK_SKEW; jax_impl does not import
@@ -42,26 +42,26 @@ from jax_impl.model import Params
 RANK_SKEW = "rank-skew"
 
 
-def _global_count(batch: Microbatch, ctx: StepContext) -> jax.Array:
+def _global_count(batch: Batch, ctx: StepContext) -> jax.Array:
     """D: this rank's valid targets over its M microbatches, summed over ranks (int32)."""
     return lax.psum(count(valid(batch)), ctx.axis)
 
 
 def _synchronized_token_sum_grads(
-    params: Params, batch: Microbatch, denominator: jax.Array, ctx: StepContext, scale=1
+    params: Params, batch: Batch, denominator: jax.Array, ctx: StepContext, scale=1
 ) -> Params:
     """psum_r sum_m grad(scale * sum_t l_t / denominator): the precount step, the gradient
     all-reduce a sum (reduction factor 1). Correct for denominator D and scale 1."""
     dtype = dtype_of(params)
 
-    def loss_fn(p: Params, mb: Microbatch) -> jax.Array:
+    def loss_fn(p: Params, mb: Batch) -> jax.Array:
         return token_loss_sum(p, mb) / denominator.astype(dtype) * scale
 
     _, grads = accumulate(loss_fn, params, batch)
     return lax.psum(grads, ctx.axis)
 
 
-def rank_mean(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def rank_mean(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""Each rank's own token mean, averaged by the all-reduce (seed example; torchtune#2980;
     prime-rl#2358): :math:`g = \frac1R \sum_r \frac{1}{n_r} \sum_{t \in r} v_t \nabla l_t`.
 
@@ -84,7 +84,7 @@ def _multisteps(params: Params, ctx: StepContext) -> optax.MultiSteps:
 def _feed_microbatches(
     tx: optax.GradientTransformation,
     params: Params,
-    batch: Microbatch,
+    batch: Batch,
     denominator: jax.Array,
     state: State,
     ctx: StepContext,
@@ -94,7 +94,7 @@ def _feed_microbatches(
     microbatch's share of the token mean), as a training loop calling its optimizer every
     micro-step does: the last update `tx` emitted, and its state."""
 
-    def micro_step(carry, mb: Microbatch):
+    def micro_step(carry, mb: Batch):
         opt_state, _ = carry
         _, grads = jax.value_and_grad(lambda p: token_loss_sum(p, mb) / denominator)(params)
         updates, opt_state = tx.update(lax.psum(grads, ctx.axis), opt_state)
@@ -105,7 +105,7 @@ def _feed_microbatches(
     return updates, state
 
 
-def microbatch_mean(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def microbatch_mean(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""optax.MultiSteps with a mean loss (transformers#34191; nanoGPT; T5X microbatches; Levanter
     MEAN): every microbatch's own token mean, its gradient pmean'd over ranks, and MultiSteps
     averaging the M microbatch gradients:
@@ -117,7 +117,7 @@ def microbatch_mean(params: Params, batch: Microbatch, state: State, ctx: StepCo
     tx = _multisteps(params, ctx)
     dtype = dtype_of(params)
 
-    def micro_step(carry, mb: Microbatch):
+    def micro_step(carry, mb: Batch):
         opt_state, _, _ = carry
         n_rm = count(valid(mb))
 
@@ -135,7 +135,7 @@ def microbatch_mean(params: Params, batch: Microbatch, state: State, ctx: StepCo
     return WindowOut(updates, n_last, state)
 
 
-def microstep_mean(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def microstep_mean(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""optax.MultiSteps (``use_grad_mean=True``) fed the gradient of each micro-step's token
     mean over the *global* microbatch, as ``jax.jit`` over a batch sharded on "data" computes
     it (the optax gradient accumulation guide's mean loss; transformers#34191 is the per-rank
@@ -147,7 +147,7 @@ def microstep_mean(params: Params, batch: Microbatch, state: State, ctx: StepCon
     tx = _multisteps(params, ctx)
     dtype = dtype_of(params)
 
-    def micro_step(carry, mb: Microbatch):
+    def micro_step(carry, mb: Batch):
         opt_state, _, _ = carry
         n_m = lax.psum(count(valid(mb)), ctx.axis)  # the global microbatch's count
 
@@ -165,9 +165,7 @@ def microstep_mean(params: Params, batch: Microbatch, state: State, ctx: StepCon
     return WindowOut(updates, n_last, state)
 
 
-def missing_world_size(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def missing_world_size(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""sum / D with the global D, under an averaging all-reduce nobody compensated
     (transformers#37474): :math:`g = \frac1R \sum_r \sum_{t \in r} v_t \nabla l_t / D
     = \nabla L / R`. Logs D."""
@@ -177,9 +175,7 @@ def missing_world_size(
     return WindowOut(lax.pmean(grads, ctx.axis), D, state)
 
 
-def double_world_size(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def double_world_size(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""x R by the user and x R again by a wrapper, under an averaging all-reduce
     (liquid-finetune#38; transformers#48690): :math:`g = \frac1R \sum_r \nabla (R \cdot R
     \sum_{t \in r} v_t l_t / D) = R\, \nabla L`. Logs D."""
@@ -187,11 +183,11 @@ def double_world_size(
     R = lax.axis_size(ctx.axis)
     dtype = dtype_of(params)
 
-    def user_loss(p: Params, mb: Microbatch) -> jax.Array:
+    def user_loss(p: Params, mb: Batch) -> jax.Array:
         # Right on its own: pmean divides by R, so the user scales by R.
         return token_loss_sum(p, mb) / D.astype(dtype) * R
 
-    def wrapped_loss(p: Params, mb: Microbatch) -> jax.Array:
+    def wrapped_loss(p: Params, mb: Batch) -> jax.Array:
         # A trainer wrapper that "undoes the averaging" as well, not knowing the user did.
         return user_loss(p, mb) * R
 
@@ -199,9 +195,7 @@ def double_world_size(
     return WindowOut(lax.pmean(grads, ctx.axis), D, state)
 
 
-def double_accum_scale(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def double_accum_scale(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""Every microbatch loss multiplied by M once too often (transformers#35438), under a
     correct psum: :math:`g = \sum_r \sum_m \nabla (M \sum_{t \in rm} v_t l_t / D)
     = M\, \nabla L`. Logs D."""
@@ -211,9 +205,7 @@ def double_accum_scale(
     return WindowOut(grads, D, state)
 
 
-def double_accum_divide(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def double_accum_divide(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""A loss already normalized by the whole window's global count, fed to an
     ``optax.MultiSteps`` that averages its M mini-steps (its default ``use_grad_mean=True``):
     the accumulation steps divide a second time (ms-swift#10117, there the trainer's
@@ -227,7 +219,7 @@ def double_accum_divide(
     return WindowOut(updates, D, state)
 
 
-def unshifted_count(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def unshifted_count(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""The denominator counts labels before the causal shift (transformers#46204): a row's
     labels hold one more entry than its shifted targets, so every row with a valid target
     counts once more. With K the global number of such rows,
@@ -239,9 +231,7 @@ def unshifted_count(params: Params, batch: Microbatch, state: State, ctx: StepCo
     return WindowOut(grads, denominator, state)
 
 
-def attention_mask_count(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def attention_mask_count(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""The denominator counts attended positions, ``attention_mask.sum()`` (unsloth-zoo#1217;
     multimodal trainers): with A the global number of positions with segment_ids > 0 (prompt,
     image placeholders and document ends included), :math:`g = \sum_t v_t \nabla l_t / A`.
@@ -256,9 +246,7 @@ def _clip_then_accumulate(ctx: StepContext) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(ctx.clip_norm), optax.apply_every(ctx.accum_steps))
 
 
-def clip_per_microbatch(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def clip_per_microbatch(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""``optax.chain(clip_by_global_norm(c), apply_every(M))`` fed every accumulation step's
     synchronized gradient (transformers#986; gpt-jax#2): with
     :math:`g_m = \sum_r \nabla \sum_{t \in rm} v_t l_t / D` and
@@ -271,7 +259,7 @@ def clip_per_microbatch(
     return WindowOut(updates, D, state)
 
 
-def stale_count(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def stale_count(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""The running token counter is never reset after an optimizer step (torchtune#1917):
     window w divides by :math:`w D`, so the second window's :math:`g = \nabla L / 2`.
     The state is the counter. Logs the counter (2 D in the second window)."""
@@ -280,9 +268,7 @@ def stale_count(params: Params, batch: Microbatch, state: State, ctx: StepContex
     return WindowOut(grads, num_tokens, num_tokens)
 
 
-def double_reduce_count(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def double_reduce_count(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""The count is all-reduced in place and the same buffer all-reduced again
     (Megatron-LM#7481). Under shard_map the first psum returns an axis-invariant value, and a
     psum of an invariant value multiplies it by R: the count is R D and
@@ -293,7 +279,7 @@ def double_reduce_count(
     return WindowOut(grads, num_tokens, state)
 
 
-def packed_as_one(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def packed_as_one(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""A per-sequence mean taken per packed row (packing collators; functionary#265): every
     segment of a row shares the row's count :math:`n_{row}`, and the denominator counts rows
     with a valid target, :math:`K`: :math:`g = \sum_t v_t \nabla l_t / (n_{row(t)} K)`.
@@ -301,7 +287,7 @@ def packed_as_one(params: Params, batch: Microbatch, state: State, ctx: StepCont
     dtype = dtype_of(params)
     rows = lax.psum(count(jnp.any(valid(batch), axis=-1)), ctx.axis)
 
-    def loss_fn(p: Params, mb: Microbatch) -> jax.Array:
+    def loss_fn(p: Params, mb: Batch) -> jax.Array:
         v = valid(mb)
         n_row = jnp.sum(v, axis=-1, keepdims=True)  # the row, not the segment: the bug
         a = jnp.where(v, 1 / jnp.maximum(n_row, 1).astype(dtype), 0).astype(dtype)
@@ -311,9 +297,7 @@ def packed_as_one(params: Params, batch: Microbatch, state: State, ctx: StepCont
     return WindowOut(lax.psum(grads, ctx.axis), rows, state)
 
 
-def padding_as_tokens(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def padding_as_tokens(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""The normalizer counts every target slot, padding and ignored ones included (T5X
     NUM_TOTAL_TARGET_TOKENS where NUM_REAL_TARGET_TOKENS was meant):
     :math:`g = \sum_t v_t \nabla l_t / (N T) = \frac{D}{N T} \nabla L`. Logs N T."""
@@ -322,7 +306,7 @@ def padding_as_tokens(
     return WindowOut(grads, slots, state)
 
 
-def float32_count(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def float32_count(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""The weighted-mean denominator :math:`W = \sum_t w_t v_t` summed and psum'd in float32
     while losses and gradients stay in the params' dtype (large-batch pretraining): past
     :math:`2^{24}` float32 cannot hold W, so :math:`g = \sum_t w_t v_t \nabla l_t /
@@ -332,7 +316,7 @@ def float32_count(params: Params, batch: Microbatch, state: State, ctx: StepCont
     local = jnp.sum(jnp.where(valid(batch), batch.weights, 0).astype(jnp.float32))
     denominator = lax.psum(local, ctx.axis)  # a float32 all-reduce, as the loss code wrote it
 
-    def loss_fn(p: Params, mb: Microbatch) -> jax.Array:
+    def loss_fn(p: Params, mb: Batch) -> jax.Array:
         a = jnp.where(valid(mb), mb.weights, 0).astype(dtype)
         return token_loss_sum(p, mb, a) / denominator.astype(dtype)
 
@@ -340,7 +324,7 @@ def float32_count(params: Params, batch: Microbatch, state: State, ctx: StepCont
     return WindowOut(lax.psum(grads, ctx.axis), denominator, state)
 
 
-def rank_skew(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def rank_skew(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""Calibration, not a pattern: the correct token-mean step except that rank 0's loss is
     multiplied by s = ``ctx.skew``: :math:`g = \sum_t s_{r(t)} v_t \nabla l_t / D` with
     :math:`s_0 = s`, :math:`s_{r>0} = 1`; s = 1 is exactly :math:`\nabla L`. Logs D."""

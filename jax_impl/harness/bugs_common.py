@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_impl.losses import Microbatch, token_losses
+from jax_impl.batch import IGNORE_INDEX, Batch
+from jax_impl.losses import token_losses
 from jax_impl.model import Params, logits_fn
-from jax_impl.schemes import IGNORE_INDEX
 
 #: The mesh axis every buggy step reduces over.
 AXIS = "data"
@@ -52,7 +52,7 @@ class WindowOut(NamedTuple):
     state: State  # carried into the next window; must be identical on every device
 
 
-WindowFn = Callable[[Params, Microbatch, State, StepContext], WindowOut]
+WindowFn = Callable[[Params, Batch, State, StepContext], WindowOut]
 InitFn = Callable[[Params, StepContext], State]
 
 
@@ -68,7 +68,7 @@ class BugStep(NamedTuple):
     init_state: InitFn = no_state
 
 
-def valid(batch: Microbatch) -> jax.Array:
+def valid(batch: Batch) -> jax.Array:
     """v_t as booleans, same shape as the targets."""
     return batch.targets != IGNORE_INDEX
 
@@ -78,14 +78,14 @@ def count(mask: jax.Array) -> jax.Array:
     return jnp.sum(mask, dtype=jnp.int32)
 
 
-def token_loss_sum(params: Params, microbatch: Microbatch, a: jax.Array | None = None) -> jax.Array:
+def token_loss_sum(params: Params, microbatch: Batch, a: jax.Array | None = None) -> jax.Array:
     """sum_t a_t l_t over one microbatch ([B, T]); a_t = 1 when not given (l_t = 0 if ignored)."""
     losses = token_losses(logits_fn(params, microbatch.inputs), microbatch.targets)
     return jnp.sum(losses if a is None else a * losses)
 
 
 def accumulate(
-    loss_fn: Callable[[Params, Microbatch], jax.Array], params: Params, rank_batch: Microbatch
+    loss_fn: Callable[[Params, Batch], jax.Array], params: Params, rank_batch: Batch
 ) -> tuple[jax.Array, Params]:
     """sum over this rank's M microbatches of (loss_fn, grad loss_fn): a gradient-accumulation
     loop, one ``jax.value_and_grad`` per microbatch, as a ``lax.scan`` so the program does not

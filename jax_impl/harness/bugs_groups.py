@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jax_impl.batch import Batch
 from jax_impl.denominators import loss_dtype
 from jax_impl.harness.bugs_common import (
     BugStep,
@@ -30,7 +31,6 @@ from jax_impl.harness.bugs_common import (
     token_loss_sum,
     valid,
 )
-from jax_impl.losses import Microbatch
 from jax_impl.model import Params, logits_fn
 
 
@@ -53,9 +53,7 @@ def nonempty_groups(row_counts: jax.Array, ctx: StepContext) -> jax.Array:
     return count(first & (n_group > 0))
 
 
-def local_group_count(
-    params: Params, batch: Microbatch, state: State, ctx: StepContext
-) -> WindowOut:
+def local_group_count(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""Each microbatch counts a group's tokens on its own rows (slime per-rollout means;
     verl#2776; SkyRL prompt_mean computed per microbatch):
     :math:`g = \frac{1}{D_G} \sum_t \frac{v_t}{n^{rm}_{g(t)}} \nabla l_t`, with
@@ -65,7 +63,7 @@ def local_group_count(
     row_counts = jnp.sum(valid(batch), axis=-1, dtype=jnp.int32)  # [M, B]
     num_groups = nonempty_groups(row_counts, ctx)
 
-    def loss_fn(p: Params, part: tuple[Microbatch, jax.Array, jax.Array]) -> jax.Array:
+    def loss_fn(p: Params, part: tuple[Batch, jax.Array, jax.Array]) -> jax.Array:
         mb, ids, rows = part
         # BUG: the group's count over this microbatch's rows only ([B]), never summed over
         # microbatches and ranks before use.
@@ -80,7 +78,7 @@ def local_group_count(
     return WindowOut(lax.psum(grads, ctx.axis), num_groups, state)
 
 
-def zero_count_nan(params: Params, batch: Microbatch, state: State, ctx: StepContext) -> WindowOut:
+def zero_count_nan(params: Params, batch: Batch, state: State, ctx: StepContext) -> WindowOut:
     r"""A per-microbatch token mean with a loss mask and no guard for 0 tokens (mcore-bridge#104;
     Megatron-LM#3396; verl#6464; prime-rl#808; NeMo-RL#212):
     :math:`g = \frac{1}{R M} \sum_{r, m} \nabla \frac{\sum_t m_t l_t}{\sum_t m_t}`, m_t = v_t.
@@ -89,7 +87,7 @@ def zero_count_nan(params: Params, batch: Microbatch, state: State, ctx: StepCon
     (With no empty microbatch it is microbatch-mean.) Logs n_rm of this rank's last
     microbatch."""
 
-    def loss_fn(p: Params, part: tuple[Microbatch, jax.Array]) -> jax.Array:
+    def loss_fn(p: Params, part: tuple[Batch, jax.Array]) -> jax.Array:
         mb, loss_weights = part
         logits = logits_fn(p, mb.inputs)
         logits = logits.astype(loss_dtype(logits.dtype))

@@ -24,13 +24,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.batch import lay_out_global_batch
+from jax_impl.batch import IGNORE_INDEX, Batch, lay_out_global_batch
 from jax_impl.devices import check_rank_axis
 from jax_impl.harness.bugs import BUG_STEPS
 from jax_impl.harness.bugs_common import AXIS, StepContext, WindowOut
-from jax_impl.losses import Microbatch
 from jax_impl.model import Params, params_from_numpy
-from jax_impl.schemes import IGNORE_INDEX
 from jax_impl.shard_map_step import data_mesh, rank_varying
 
 
@@ -89,7 +87,7 @@ def make_bug_sweep(
     """sweep(params, batch, skew=1.0) -> {pattern: BugResult} for `patterns` over R devices.
 
     `params` are jax arrays (their dtype is the compute dtype); `batch` is an [R, M, B, T]
-    Microbatch from `jax_impl.lay_out_global_batch` with weights in that dtype. `clip_norm` is
+    Batch from `jax_impl.lay_out_global_batch` with weights in that dtype. `clip_norm` is
     clip-per-microbatch's threshold (required when that pattern is in the sweep); `skew` is
     rank-skew's factor. Sweeps are cached: the same arguments return the same compiled program.
     """
@@ -110,9 +108,7 @@ def _cached_sweep(
     mesh = data_mesh(world_size, AXIS)
     replicated, by_rank = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
 
-    def per_device(
-        params: Params, batch: Microbatch, states: tuple, skew: jax.Array, rows: RowInputs
-    ):
+    def per_device(params: Params, batch: Batch, states: tuple, skew: jax.Array, rows: RowInputs):
         ctx = StepContext(
             AXIS, batch.targets.shape[1], clip_norm, skew, rows.group_ids[0], rows.loss_weights[0]
         )
@@ -137,7 +133,7 @@ def _cached_sweep(
     )
 
     def sweep(
-        params: Params, batch: Microbatch, skew: float = 1.0, group_ids: np.ndarray | None = None
+        params: Params, batch: Batch, skew: float = 1.0, group_ids: np.ndarray | None = None
     ) -> dict[str, BugResult]:
         check_rank_axis(batch, world_size, "bug sweep")
         rows = RowInputs(
@@ -152,7 +148,7 @@ def _cached_sweep(
         # Everything placed as the program's outputs are: the second window's inputs then have
         # the first one's shardings, and the program compiles once, not twice.
         placed_params = jax.device_put(params, replicated)
-        placed_batch = jax.device_put(Microbatch(*batch), by_rank)
+        placed_batch = jax.device_put(batch, by_rank)
         placed_skew = jax.device_put(jnp.asarray(skew, dtype), replicated)
         placed_rows = jax.device_put(rows, by_rank)
         states = jax.device_put(states, replicated)

@@ -6,7 +6,7 @@
 The process joins the job with ``jax.distributed`` over gloo (`initialize`), owns one CPU
 device and one rank of the "data" mesh that spans every process (`global_data_mesh`), runs the
 shard_map step (`jax_impl.shard_map_step`) on its own rank's rows for every case, dtype,
-scheme and variant of the spec, and writes what it computed, nothing judged, to
+scheme spec and variant of the spec, and writes what it computed, nothing judged, to
 ``DIR/process<I>.pkl``: a list of one dict per rank of its devices (one, as the launcher
 starts it). In a process that already joined a job (a multi-host start),
 `jax_impl.harness.in_place.run_spec_in_place` runs the same spec (`compute_spec`) without
@@ -33,11 +33,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jax_impl.batch import lay_out_global_batch, rank_slice
+from jax_impl.batch import Batch, lay_out_global_batch, rank_slice
 from jax_impl.denominators import denominator_dtype
 from jax_impl.harness.launch import write_atomically
 from jax_impl.harness.multiprocess import PORT_TAKEN_EXIT, variant_name
-from jax_impl.losses import Microbatch
 from jax_impl.model import Params, params_from_numpy
 from jax_impl.shard_map_step import (
     data_mesh,
@@ -46,8 +45,6 @@ from jax_impl.shard_map_step import (
     replicate,
     shard_batch,
 )
-from jax_impl.spec_batch import lay_out_spec_batch, spec_rank_slice
-from jax_impl.spec_step import spec_step_config
 from jax_impl.update import StepConfig, SweepFn, UpdateResult, apply_optimizer
 
 WORKER_TIMEOUT_S = 60  # jax.distributed's own waits (initialization, heartbeat, shutdown)
@@ -169,41 +166,35 @@ def _own(x: jax.Array, device: jax.Device) -> np.ndarray:
     return value.astype(np.float32) if x.dtype == jnp.bfloat16 else value
 
 
-def _run_schemes(
+def _run_configs(
     sweep: SweepFn,
     configs: Sequence[StepConfig],
+    labels: Sequence[str],
     params0: Params,
-    batch: Microbatch,
-    spec: Mapping[str, Any],
+    batch: Batch,
+    num_updates: int,
     prefix: str,
     records: Sequence[tuple[jax.Device, dict[str, np.ndarray]]],
     stall_marker: Path | None = None,
-    labels: Sequence[tuple[str, str]] = (),
-    config_labels: Sequence[str] = (),
 ) -> None:
-    """`num_updates` consecutive updates per scheme, every variant from the same start.
-
-    `labels`: (key, scheme) pairs to run instead of the spec's schemes (a scheme spec's
-    sweep ignores the scheme). `config_labels`: a label per config, for a sweep holding
-    several specs' configs side by side (``spec<k>``), written where the scheme's key is."""
+    """`num_updates` consecutive updates of every config, all from the same start; a config's
+    records are keyed by its variant and its scheme's label."""
     state0 = init_opt_state(configs[0].optimizer, params0)
     pending: list[tuple[str, UpdateResult]] = []
-    for label, scheme in labels or [(scheme, scheme) for scheme in spec["schemes"]]:
-        params, states = [params0] * len(configs), [state0] * len(configs)
-        for update in range(spec["num_updates"]):
-            reduced = sweep(params, batch, scheme)
-            if stall_marker is not None:
-                # Test hook: stop in the middle of the run, gradients reduced but the update
-                # not applied, so the peers block in their next collective.
-                jax.block_until_ready(reduced)
-                stall_marker.write_text(str(os.getpid()))
-                time.sleep(3600)
-            for v, config in enumerate(configs):
-                out = apply_optimizer(reduced[v], params[v], states[v], config)
-                params[v], states[v] = out.params, out.opt_state
-                name = variant_name(config.strategy.value, config.collective.value)
-                key = config_labels[v] if config_labels else label
-                pending.append((f"{prefix}/{name}/{key}/{update}", out))
+    params, states = [params0] * len(configs), [state0] * len(configs)
+    for update in range(num_updates):
+        reduced = sweep(params, batch)
+        if stall_marker is not None:
+            # Test hook: stop in the middle of the run, gradients reduced but the update
+            # not applied, so the peers block in their next collective.
+            jax.block_until_ready(reduced)
+            stall_marker.write_text(str(os.getpid()))
+            time.sleep(3600)
+        for v, (config, label) in enumerate(zip(configs, labels, strict=True)):
+            out = apply_optimizer(reduced[v], params[v], states[v], config)
+            params[v], states[v] = out.params, out.opt_state
+            name = variant_name(config.strategy.value, config.collective.value)
+            pending.append((f"{prefix}/{name}/{label}/{update}", out))
     # Read back only after everything was dispatched: a host sync per update would make every
     # process wait for the slowest peer's compile and collective at each step.
     for key, out in pending:
@@ -232,29 +223,25 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
     mesh, devices = global_data_mesh()
     first_rank = list(mesh.devices.flat).index(devices[0])
     optimizer = _optimizer(spec["optimizer"])
-    configs = [
-        StepConfig(
-            optimizer=optimizer,
-            strategy=strategy,
-            collective=collective,
-            max_grad_norm=spec.get("max_grad_norm"),
-        )
-        for strategy, collective in spec["variants"]
-    ]
+    # Every scheme of the spec: the names (``schemes``, labelled by name) and the contract v2
+    # specs (``scheme_specs``, their dicts, labelled ``spec<k>``), every variant of each side
+    # by side in one sweep: one compiled program per batch shape.
+    schemes = [(name, name) for name in spec["schemes"]]
+    schemes += [(f"spec{k}", s) for k, s in enumerate(spec.get("scheme_specs", []))]
+    configs, labels = [], []
+    for label, scheme in schemes:
+        for strategy, collective in spec["variants"]:
+            configs.append(
+                StepConfig(
+                    optimizer=optimizer,
+                    scheme=scheme,
+                    strategy=strategy,
+                    collective=collective,
+                    max_grad_norm=spec.get("max_grad_norm"),
+                )
+            )
+            labels.append(label)
     sweep = make_shard_map_sweep(configs, mesh)
-    # ``scheme_specs``: contract v2 specs (their dicts), every variant of every spec side by
-    # side in one sweep: one compiled program per batch shape, whatever the number of specs.
-    scheme_specs = spec.get("scheme_specs", [])
-    spec_configs = [
-        spec_step_config(
-            scheme_spec, optimizer, strategy=strategy, collective=collective,
-            max_grad_norm=spec.get("max_grad_norm"),
-        )
-        for scheme_spec in scheme_specs
-        for strategy, collective in spec["variants"]
-    ]  # fmt: skip
-    spec_labels = [f"spec{k}" for k in range(len(scheme_specs)) for _ in spec["variants"]]
-    spec_sweep = make_shard_map_sweep(spec_configs, mesh) if spec_configs else None
     records = [(device, {"rank": np.asarray(first_rank + i)}) for i, device in enumerate(devices)]
     for case_index, case in enumerate(spec["cases"]):
         with np.load(case["fixture"], allow_pickle=False) as archive:
@@ -267,31 +254,18 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
                 vocab_size=arrays["embed"].shape[0],
                 # Not the params' dtype: a bfloat16 weight is already rounded to 8 bits.
                 weights_dtype=np.dtype(denominator_dtype().name),
+                # One id space for every fixture of the launch (``spec_id_space``), so that
+                # they share the compiled program of their shape.
+                **spec.get("spec_id_space", {}),
             )
             # Each process places only its own rank's rows; the global array spans them all.
             batch = shard_batch(rank_slice(laid_out, first_rank, len(devices)), mesh)
             params = {key: arrays[key] for key in ("embed", "unembed")}
             params0 = replicate(params_from_numpy(params, dtype), mesh)
-            _run_schemes(
-                sweep, configs, params0, batch, spec, f"{case_index}/{dtype}", records, stall
-            )
-            if spec_sweep is not None:
-                # Contract v2 (docs/schemes-as-data.md): the same rows with their v2 fields.
-                # One id space for every fixture of the launch (``spec_id_space``), so
-                # that they share the compiled program of their shape.
-                spec_batch = lay_out_spec_batch(
-                    arrays, mesh.size, case["accum_steps"],
-                    vocab_size=arrays["embed"].shape[0],
-                    weights_dtype=np.dtype(denominator_dtype().name),
-                    **spec.get("spec_id_space", {}),
-                )  # fmt: skip
-                spec_batch = spec_rank_slice(spec_batch, first_rank, len(devices))
-                spec_batch = shard_batch(spec_batch, mesh)
-                _run_schemes(
-                    spec_sweep, spec_configs, params0, spec_batch, spec,
-                    f"{case_index}/{dtype}", records, labels=[("spec", "token_mean")],
-                    config_labels=spec_labels,
-                )  # fmt: skip
+            _run_configs(
+                sweep, configs, labels, params0, batch, spec["num_updates"],
+                f"{case_index}/{dtype}", records, stall,
+            )  # fmt: skip
     for _, results in records:
         results["shared_programs"] = np.asarray(shared_program_count())
     return [results for _, results in records]

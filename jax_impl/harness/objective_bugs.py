@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.losses import Microbatch
+from jax_impl.batch import Batch
 from jax_impl.model import Params
 
 # The correct objective's pieces: the bugs differ from it only in the target's weights.
@@ -69,9 +69,9 @@ PATTERNS = (
 _AVERAGED = frozenset({"sibling-term-scope", "aux-world-size-factor"})
 
 
-def _gathered(mb: Microbatch, axis: str) -> Microbatch:
+def _gathered(mb: Batch, axis: str) -> Batch:
     """Every rank's microbatch m, rows concatenated: the whole update's accumulation step m."""
-    return Microbatch(*(lax.all_gather(x, axis, tiled=True) for x in mb))
+    return jax.tree.map(lambda x: lax.all_gather(x, axis, tiled=True), mb)
 
 
 def _buggy_part(pattern, term, norm: _Norm, main: _Norm, p, mb, m, axis, M):
@@ -124,7 +124,7 @@ def make_objective_bug_fn(
     target: str,
     mesh: Mesh,
     axis_name: str = "data",
-) -> Callable[[Params, Microbatch], Params]:
+) -> Callable[[Params, Batch], Params]:
     """grads(params, batch [R, M, B, T]) of `terms` with `target` weighted as `pattern` does."""
     parsed = parse_terms(terms)
     hit = next((t for t in parsed if t.name == target), None)
@@ -134,15 +134,15 @@ def make_objective_bug_fn(
     R = mesh.shape[axis_name]
     averaged = pattern in _AVERAGED
 
-    def per_rank(params: Params, batch: Microbatch) -> Params:
-        batch = Microbatch(*(x[0] for x in batch))
+    def per_rank(params: Params, batch: Batch) -> Params:
+        batch = jax.tree.map(lambda x: x[0], batch)
         M = batch.inputs.shape[0]
         dtype = params["embed"].dtype
         norms = [_precount(t, params, batch, axis_name, R, dtype) for t in parsed]
         frozen = {k: v for k, v in params.items() if k in FROZEN_PARAMS}
 
         def microbatch_loss(p: Params, m: int) -> jax.Array:
-            mb = Microbatch(*(x[m] for x in batch))
+            mb = jax.tree.map(lambda x: x[m], batch)
             p = p | frozen
             total = jnp.zeros((), dtype)
             for term, norm in zip(parsed, norms, strict=True):
@@ -165,7 +165,7 @@ def make_objective_bug_fn(
         jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P())
     )
 
-    def step(params: Params, batch: Microbatch) -> Params:
+    def step(params: Params, batch: Batch) -> Params:
         return mapped(replicate(dict(params), mesh), shard_batch(batch, mesh, axis_name))
 
     return step
