@@ -57,6 +57,7 @@ from jax_impl.update import (
     SweepFn,
     UpdateFn,
     check_sweep,
+    over_configs,
     single_config,
 )
 
@@ -196,9 +197,6 @@ def _global_sweep(
         key = (config.token_losses_fn, config.scheme.scope == "update")
         families.setdefault(key, []).append(i)
 
-    def stack(*xs: jax.Array) -> jax.Array:
-        return jnp.stack(xs)
-
     for (token_losses_fn, one_scale), members in families.items():
         plans = [
             global_plan(batch, configs[i].scheme, configs[i].strategy, axis_name) for i in members
@@ -206,14 +204,14 @@ def _global_sweep(
         accumulate = functools.partial(
             global_accumulate, one_scale=one_scale, token_losses_fn=token_losses_fn
         )
-        sums = jax.vmap(accumulate, in_axes=(0, None, 0, 0))(
-            jax.tree.map(stack, *[params[i] for i in members]),
+        sums = over_configs(
+            accumulate,
+            [params[i] for i in members],
             batch,
-            stack(*[plan.token_weights for plan in plans]),
-            stack(*[plan.scale for plan in plans]),
+            [plan.token_weights for plan in plans],
+            [plan.scale for plan in plans],
         )
-        for k, (i, plan) in enumerate(zip(members, plans, strict=True)):
-            own = jax.tree.map(lambda x, k=k: x[k], sums)
+        for i, plan, own in zip(members, plans, sums, strict=True):
             out[i] = global_finish(configs[i].scheme, configs[i].strategy, plan, own, batch)
     return out  # type: ignore[return-value]
 

@@ -70,11 +70,6 @@ def _window_plan(window: Batch, *, config: StepConfig) -> tuple[RankPlan, jax.Ar
     return plan, jnp.broadcast_to(plan.denominator, window.targets.shape[:1])
 
 
-def _accumulate(params: Params, part: Batch, plan: RankPlan, sums) -> tuple[Params, jax.Array]:
-    """Continue one rank's sums over the microbatches of `part` [k, B, T]; no collective."""
-    return continue_accumulation(params, part, plan, sums)
-
-
 def _finish(plan: RankPlan, sums, window: Batch, *, config: StepConfig):
     """The collective and the normalization of a completed window, on one rank: the same
     reductions as an uninterrupted update (`jax_impl.accumulate.finish_rank`)."""
@@ -112,7 +107,8 @@ class ResumableLoop:
         self.devices = require_devices(world_size)
         pmap = functools.partial(jax.pmap, axis_name=config.axis_name, devices=self.devices)
         self._plan = pmap(functools.partial(_window_plan, config=config))
-        self._accumulate = pmap(_accumulate, in_axes=(None, 0, 0, 0))
+        # The rest of a window from the saved sums: no collective, so a plain pmap of the scan.
+        self._accumulate = pmap(continue_accumulation, in_axes=(None, 0, 0, 0))
         self._finish = pmap(functools.partial(_finish, config=config))
 
     def init(self, params: Params) -> TrainState:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +84,19 @@ class StepConfig:
             raise ValueError(f"StepConfig: max_grad_norm must be > 0, got {self.max_grad_norm!r}")
 
 
+def over_configs(
+    fn: Callable[..., Any], params: Sequence[Params], batch: Batch, *per_config: Sequence[jax.Array]
+) -> list[Any]:
+    """[fn(params[k], batch, *(xs[k] for xs in per_config)) for every config k], computed as
+    one call of ``vmap(fn)`` over the configs (the batch is shared): the program holds `fn`
+    once, batched, instead of once per config."""
+    stacked = [jnp.stack(xs) for xs in per_config]
+    out = jax.vmap(fn, in_axes=(0, None, *(0 for _ in stacked)))(
+        jax.tree.map(lambda *xs: jnp.stack(xs), *params), batch, *stacked
+    )
+    return [jax.tree.map(lambda x, k=k: x[k], out) for k in range(len(params))]
+
+
 def sweep_rank_gradients(
     configs: Sequence[StepConfig], params: Sequence[Params], rank_batch: Batch, axis_name: str
 ) -> list[RankGradients]:
@@ -107,9 +120,6 @@ def sweep_rank_gradients(
         else:
             families.setdefault(config.token_losses_fn, []).append(i)
 
-    def stack(*xs: jax.Array) -> jax.Array:
-        return jnp.stack(xs)
-
     for token_losses_fn, members in families.items():
         plans = [
             rank_plan(
@@ -122,17 +132,16 @@ def sweep_rank_gradients(
             )
             for i in members
         ]
-        accumulate = functools.partial(accumulate_microbatches, token_losses_fn=token_losses_fn)
-        sums = jax.vmap(accumulate, in_axes=(0, None, 0, 0, 0))(
-            jax.tree.map(stack, *[params[i] for i in members]),
+        sums = over_configs(
+            functools.partial(accumulate_microbatches, token_losses_fn=token_losses_fn),
+            [params[i] for i in members],
             rank_batch,
-            stack(*[plan.token_weights for plan in plans]),
-            stack(*[plan.grad_scale for plan in plans]),
-            stack(*[plan.loss_scale for plan in plans]),
+            [plan.token_weights for plan in plans],
+            [plan.grad_scale for plan in plans],
+            [plan.loss_scale for plan in plans],
         )
-        for k, (i, plan) in enumerate(zip(members, plans, strict=True)):
+        for i, plan, own in zip(members, plans, sums, strict=True):
             config = configs[i]
-            own = jax.tree.map(lambda x, k=k: x[k], sums)
             out[i] = finish_rank(
                 config.scheme, plan, own, rank_batch, axis_name, config.strategy,
                 config.collective,

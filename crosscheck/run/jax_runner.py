@@ -26,6 +26,7 @@ from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
 from crosscheck.launch.workers import jax_launch, run_jax_job, worker_zygote
+from crosscheck.run.jax_worker import id_space
 
 OnDone = Callable[[Case, CaseOutput | BaseException], None]
 
@@ -149,7 +150,7 @@ def _run_multiprocess(
             "schemes": sorted({case.scheme for case in cases if case.scheme in V1_SCHEMES}),
             # Trainer modes: one sweep of their specs, keyed spec<k> (float64 cases only).
             "scheme_specs": [resolve_scheme(name).to_dict() for name in spec_names],
-            "spec_id_space": _id_space([case.fixture for case in cases]),
+            "spec_id_space": id_space([case.fixture for case in cases]),
             "variants": [["precount", "pmean"], ["postnorm", "psum"]],
             "optimizer": settings.optimizer_spec(),
             "num_updates": settings.num_updates,
@@ -185,15 +186,6 @@ def _run_multiprocess(
             on_done(case, error)
         else:
             on_done(case, output)
-
-
-def _id_space(fixture_names: list[str]) -> dict[str, int]:
-    """One id space for the fixtures of a launch: their largest group and document ids + 1."""
-    fixtures = [builtin_fixture(name) for name in set(fixture_names)]
-    return {
-        "num_groups": max(int(f.group_ids.max()) + 1 for f in fixtures),
-        "num_documents": max(int(f.document_ids.max()) + 1 for f in fixtures),
-    }
 
 
 def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Job]:

@@ -96,6 +96,16 @@ def _outputs(R: int, history: list) -> CaseOutput:
     )
 
 
+def id_space(fixture_names: Sequence[str]) -> dict[str, int]:
+    """One id space for the fixtures of a sweep or launch: their largest group and document
+    ids + 1 (static in a compiled program, so that fixtures of one shape share it)."""
+    fixtures = [builtin_fixture(name) for name in set(fixture_names)]
+    return {
+        "num_groups": max(int(f.group_ids.max()) + 1 for f in fixtures),
+        "num_documents": max(int(f.document_ids.max()) + 1 for f in fixtures),
+    }
+
+
 def _configs(impl: str, cases: Sequence[Case], settings: TrainSettings) -> tuple[list, list]:
     """One StepConfig per (scheme, strategy) of `cases`, and those keys in the same order.
 
@@ -135,10 +145,7 @@ def run_group(
     configs, keys = _configs(impl, cases, settings)
     sweep, place = placed_sweep(impl, configs, world_size)
     fixtures = {c.fixture: builtin_fixture(c.fixture) for c in cases}
-    id_space = {
-        "num_groups": max(int(f.group_ids.max()) + 1 for f in fixtures.values()),
-        "num_documents": max(int(f.document_ids.max()) + 1 for f in fixtures.values()),
-    }
+    space = id_space(list(fixtures))
     results: dict[Case, CaseOutput] = {}
     for fixture_name, M in sorted({(c.fixture, c.accum_steps) for c in cases}):
         fixture = fixtures[fixture_name]
@@ -150,7 +157,7 @@ def run_group(
                 M,
                 vocab_size=fixture.vocab_size,
                 # weights_dtype left to its default, the denominator dtype: not the params'.
-                **id_space,
+                **space,
             ),
             jax_impl.params_from_numpy(fixture.params(), dtype),
         )
