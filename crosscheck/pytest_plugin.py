@@ -42,6 +42,7 @@ import pytest
 
 if TYPE_CHECKING:
     from crosscheck.contract.spec import SchemeSpec
+    from crosscheck.verification.objective_verify import ObjectiveReport
     from crosscheck.verification.report import VerifyReport
     from crosscheck.verification.verifier import Framework
 
@@ -94,13 +95,14 @@ class GradWeight:
         step: str | Callable[..., Any],
         *,
         framework: Framework,
-        scheme: str | SchemeSpec,
+        scheme: str | SchemeSpec | None = None,
         **options: Any,
-    ) -> VerifyReport:
+    ) -> VerifyReport | ObjectiveReport:
         """`crosscheck.verify(step, framework=..., scheme=..., **options)`, its report written
-        as JSON (see `reports`). Raises what `verify` raises (ValueError for a bad argument,
-        `crosscheck.StepSetupError` for a step that does not exist); a mismatch is the report's
-        ``ok`` being False, not an exception."""
+        as JSON (see `reports`); ``objective=`` in place of `scheme` verifies a multi-term
+        objective (an `ObjectiveReport`). Raises what `verify` raises (ValueError for a bad
+        argument, `crosscheck.StepSetupError` for a step that does not exist); a mismatch is
+        the report's ``ok`` being False, not an exception."""
         from crosscheck.verification.verifier import verify
 
         if self.timeout_s is not None:
@@ -110,7 +112,7 @@ class GradWeight:
         record = report.to_json()
         record["wall_time_s"] = time.perf_counter() - started
         step_file = report.step.replace(":", ".")
-        name = _file_name(f"{step_file}.{report.framework}.{report.scheme.name}") + ".json"
+        name = _file_name(f"{step_file}.{report.framework}.{report.intended_name}") + ".json"
         text = json.dumps(record, indent=2, allow_nan=False) + "\n"
         self.report_dir.mkdir(parents=True, exist_ok=True)
         self.reports.append(self._write(self.report_dir / name, text))
@@ -124,11 +126,12 @@ class GradWeight:
         step: str | Callable[..., Any],
         *,
         framework: Framework,
-        scheme: str | SchemeSpec,
+        scheme: str | SchemeSpec | None = None,
         **options: Any,
-    ) -> VerifyReport:
+    ) -> VerifyReport | ObjectiveReport:
         """`verify`, raising AssertionError with the diagnosis and the table unless every case
-        matches the intended `scheme` (`failure_message`); the report when it does."""
+        matches the intended `scheme` (or ``objective=``) (`failure_message`); the report when
+        it does."""
         __tracebackhide__ = True  # pytest shows the test's line, not this one
         report = self.verify(step, framework=framework, scheme=scheme, **options)
         if not report.ok:
@@ -146,19 +149,18 @@ class GradWeight:
         return path
 
 
-def failure_message(report: VerifyReport, json_path: Path | None = None) -> str:
+def failure_message(report: VerifyReport | ObjectiveReport, json_path: Path | None = None) -> str:
     """What ``crosscheck verify`` prints for `report`, as plain text, the verdict first (the
     line pytest's summary shows): the verdict, the name of what the step computes and the fix,
     then the table (one row per fixture and layout) and where the JSON report is."""
     from rich.console import Console
 
-    from crosscheck.cli.verify_report import compact_verify_table, verify_table
-    from crosscheck.tables import fitted
+    from crosscheck.cli.verify_report import report_table
 
     out = io.StringIO()
     console = Console(file=out, width=MESSAGE_WIDTH, color_system=None, highlight=False)
     console.print(report.message(), markup=False, soft_wrap=True)
-    table = fitted(console, verify_table(report), lambda: compact_verify_table(report))
+    table = report_table(console, report)
     table.title_justify = "left"
     console.print(table)
     if json_path is not None:

@@ -22,7 +22,8 @@ from pathlib import Path
 HF_MODEL = "examples.torch_hf_model:model"
 FLAX_MODEL = "examples.jax_flax_model:model"
 #: (framework, step, scheme, extra options): the table of docs/verify.md, plus contract v2's
-#: GRPO examples.
+#: GRPO examples and the multi-term objectives' correct steps (``objective:MODULE:OBJECT`` in
+#: place of a scheme runs ``--objective MODULE:OBJECT``).
 EXAMPLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("torch", "examples.torch_nanogpt:step", "token_mean", ()),
     ("torch", "examples.torch_torchtitan:step", "token_mean", ()),
@@ -36,6 +37,8 @@ EXAMPLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("jax", "examples.jax_optax_float32:step", "token_mean", ()),
     ("jax", "examples.jax_grpo_prompt_mean:step", "group_token_mean", ()),
     ("jax", "examples.jax_flax_model:step", "token_mean", ("--model", FLAX_MODEL)),
+    ("torch", "examples.torch_objective:step", "objective:examples.objectives:MOE", ()),
+    ("jax", "examples.jax_objective:step", "objective:examples.objectives:MOE", ()),
 )  # fmt: skip
 
 
@@ -45,9 +48,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gradweight-time-") as tmp:
         for framework, step, scheme, extra in EXAMPLES:
             out = Path(tmp) / "report.json"
+            kind, _, objective = scheme.partition(":")
+            intended = ["--objective", objective] if kind == "objective" else ["--scheme", scheme]
             command = [
                 sys.executable, "-m", "crosscheck", "verify", "--framework", framework,
-                "--step", step, "--scheme", scheme, *extra, "--json", str(out),
+                "--step", step, *intended, *extra, "--json", str(out),
             ]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if not out.exists():

@@ -40,6 +40,26 @@ BUGS = [
 ]
 #: Where a pattern coincides with the intended objective: the step is correct there.
 COINCIDING = [("aux-world-size-factor", "moe_lb", (1, 2)), ("sibling-term-scope", "z_loss", (1, 1))]
+#: A pattern of a term meant per microbatch runs on TERMS with the load balancing per
+#: microbatch (a MoE model's own router loss), at layouts with R > 1 and M > 1 (x R M is the
+#: world-size factor x R at M = 1).
+LOCAL_TERMS = [{**t, "scope": "microbatch"} if t["kind"] == "moe_lb" else t for t in TERMS]
+LOCAL_BUGS = [("aux-summed-over-microbatches", "moe_lb")]
+LOCAL_BUG_LAYOUTS = [(2, 2), (2, 4)]
+#: Where a pattern is another's on the same term: (pattern, target, layout), both names fit.
+AMBIGUOUS = [("aux-summed-over-microbatches", "moe_lb", (4, 1))]
+#: Every buggy step either framework runs: (pattern, target, layout).
+BUG_RUNS = [
+    *((p, t, layout) for p, t in BUGS for layout in BUG_LAYOUTS),
+    *((p, t, layout) for p, t in LOCAL_BUGS for layout in LOCAL_BUG_LAYOUTS),
+    *COINCIDING,
+    *AMBIGUOUS,
+]
+
+
+def terms_of(pattern: str) -> list[dict]:
+    """The objective a pattern's step runs on."""
+    return LOCAL_TERMS if pattern in dict(LOCAL_BUGS) else TERMS
 
 
 def jax_results() -> dict:
@@ -63,9 +83,9 @@ def jax_results() -> dict:
     for R, M in CORRECT_LAYOUTS:
         out = make_objective_fn(TERMS, data_mesh(R))(params, batch(R, M))
         results["intended", None, (R, M)] = jax.tree.map(np.asarray, out.grads)
-    runs = [(p, t, layout) for p, t in BUGS for layout in BUG_LAYOUTS] + COINCIDING
-    for pattern, target, (R, M) in runs:
-        grads = make_objective_bug_fn(pattern, TERMS, target, data_mesh(R))(params, batch(R, M))
+    for pattern, target, (R, M) in BUG_RUNS:
+        fn = make_objective_bug_fn(pattern, terms_of(pattern), target, data_mesh(R))
+        grads = fn(params, batch(R, M))
         results[pattern, target, (R, M)] = jax.tree.map(np.asarray, grads)
     return results
 
@@ -79,10 +99,10 @@ def results(tmp_path_factory) -> dict:
         return pickle.load(f)
 
 
-def diagnose(grads, R: int, M: int):
+def diagnose(grads, R: int, M: int, terms=TERMS):
     fixture = builtin_fixture(FIXTURE)
     params = make_params(fixture.vocab_size)
-    return diagnose_objective(params, fixture.layout(R, M), TERMS, grads)
+    return diagnose_objective(params, fixture.layout(R, M), terms, grads)
 
 
 @pytest.mark.parametrize(("R", "M"), CORRECT_LAYOUTS)
@@ -101,6 +121,28 @@ def test_each_buggy_jax_step_is_detected_and_named(results, pattern, target, lay
     assert d.intended_error >= 1e-6  # far beyond rounding: a real error
     assert d.best_match == f"{pattern}({target})", (d.explanation, d.candidate_errors)
     assert d.candidate_errors[d.best_match] <= 1e-12
+
+
+@pytest.mark.parametrize("layout", LOCAL_BUG_LAYOUTS)
+@pytest.mark.parametrize(("pattern", "target"), LOCAL_BUGS)
+def test_each_buggy_jax_step_of_a_microbatch_term_is_detected_and_named(
+    results, pattern, target, layout
+):
+    d = diagnose(results[pattern, target, layout], *layout, LOCAL_TERMS)
+    assert not d.intended_fits
+    assert d.intended_error >= 1e-6
+    assert d.best_match == f"{pattern}({target})", (d.explanation, d.candidate_errors)
+    assert d.candidate_errors[d.best_match] <= 1e-12
+    R, M = layout  # the router loss summed over the R M forwards instead of averaged
+    assert abs(d.term_scales[target] - R * M) <= 1e-9 and abs(d.term_scales["ce"] - 1) <= 1e-12
+
+
+@pytest.mark.parametrize(("pattern", "target", "layout"), AMBIGUOUS)
+def test_a_jax_pattern_another_explains_as_well_is_ambiguous(results, pattern, target, layout):
+    """At M = 1, x R M is x R: the world-size factor fits as well, and neither is named."""
+    d = diagnose(results[pattern, target, layout], *layout, terms_of(pattern))
+    assert d.best_match == "ambiguous", (d.explanation, d.candidate_errors)
+    assert set(d.explanations) == {f"{pattern}({target})", f"aux-world-size-factor({target})"}
 
 
 @pytest.mark.parametrize(("pattern", "target", "layout"), COINCIDING)

@@ -19,12 +19,17 @@ from crosscheck import exit_codes
 from crosscheck.bugs.catalogue_run import CatalogueRun, run_catalogue
 from crosscheck.bugs.objective_catalogue import (
     LAYOUTS,
+    MICROBATCH_TERMS,
     OBJECTIVE_PATTERNS,
+    TERMS,
     judge_objective,
+    layouts_of,
     objective_runs,
     run_objective_catalogue,
     run_objective_steps,
+    terms_of,
 )
+from crosscheck.bugs.objective_steps import frozen_terms
 from crosscheck.cli.bug_report import OBJECTIVE_TITLE, catalogue_exit_code, print_catalogue
 
 FRAMEWORKS = ("torch", "jax")
@@ -43,18 +48,39 @@ def rows(outputs) -> list:
 
 def test_the_plan_is_every_pattern_in_both_frameworks_at_its_layouts():
     runs = objective_runs(FRAMEWORKS)
-    assert len(runs) == len(set(runs)) == len(OBJECTIVE_PATTERNS) * len(FRAMEWORKS) * len(LAYOUTS)
+    planned = sum(len(layouts_of(p)) for p in OBJECTIVE_PATTERNS) * len(FRAMEWORKS)
+    assert len(runs) == len(set(runs)) == planned
     assert {(r.pattern, r.target) for r in runs} == set(OBJECTIVE_PATTERNS.items())
+    for run in runs:
+        assert run.terms == frozen_terms(terms_of(run.pattern))
+        assert (run.world_size, run.accum_steps) in layouts_of(run.pattern)
     assert objective_runs(FRAMEWORKS, ["rank-mean"]) == []  # a single-term pattern only
     with pytest.raises(ValueError, match="unknown framework"):
         objective_runs(("mxnet",))
+
+
+def test_only_the_microbatch_pattern_has_its_own_objective_and_layouts():
+    """aux-summed-over-microbatches needs a term meant per microbatch, and R > 1 and M > 1 to
+    be told from the world-size factor (x R M = x R at M = 1); every other row keeps `TERMS`
+    and `LAYOUTS`."""
+    for pattern in OBJECTIVE_PATTERNS:
+        if pattern == "aux-summed-over-microbatches":
+            continue
+        assert terms_of(pattern) == TERMS and layouts_of(pattern) == LAYOUTS
+    local = "aux-summed-over-microbatches"
+    assert [t for t in MICROBATCH_TERMS if t.get("scope") == "microbatch"] == [
+        {**TERMS[-1], "scope": "microbatch"}
+    ]
+    assert [t for t in MICROBATCH_TERMS if t["kind"] != "moe_lb"] == list(TERMS[:-1])
+    assert terms_of(local) == MICROBATCH_TERMS
+    assert all(R > 1 and M > 1 for R, M in layouts_of(local))
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("pattern", list(OBJECTIVE_PATTERNS))
 def test_every_pattern_is_detected_and_named_in_both_frameworks(rows, pattern, framework):
     mine = [r for r in rows if r.run.pattern == pattern and r.run.framework == framework]
-    assert {(r.run.world_size, r.run.accum_steps) for r in mine} == set(LAYOUTS)
+    assert {(r.run.world_size, r.run.accum_steps) for r in mine} == set(layouts_of(pattern))
     for r in mine:
         assert not r.error, r.error
         assert r.detected, r.run.describe()
@@ -84,6 +110,7 @@ def test_the_rows_are_printed_after_their_title_and_counted(rows):
         assert OBJECTIVE_TITLE.split(":")[0] in text
         assert f"{len(rows)} of {len(rows)} multi-term buggy steps detected and named" in text
         assert "aux-global-count-local-stats(moe_lb)" in text
+        assert "aux-summed-over-microbatches(moe_lb)" in text
     assert catalogue_exit_code(run) == exit_codes.OK
     record = json.loads(json.dumps(run.to_json(), allow_nan=False))
     assert record["ok"] is True

@@ -231,6 +231,15 @@ def test_missing_step(gradweight):
     with pytest.raises(crosscheck.StepSetupError, match="no module named 'no_such_package'"):
         gradweight.verify("no_such_package.train:step", framework="torch", scheme="token_mean")
     assert gradweight.reports == []
+
+
+OBJECTIVE = {**LAYOUT, "objective": "examples.objectives:MOE", "fixtures": ["packed"]}
+
+
+def test_objective_coefficient_twice(gradweight):
+    gradweight.assert_weighting(
+        "examples.torch_objective:step_z_loss_coefficient_twice", framework="torch", **OBJECTIVE
+    )
 """
 
 
@@ -250,7 +259,7 @@ def test_the_plugin_passes_a_correct_step_and_fails_a_wrong_one_with_the_diagnos
         "reports",
         timeout=280,
     )
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=2, failed=2)
     # The failure is the AssertionError `crosscheck verify` would print: table, name, fix.
     result.stdout.fnmatch_lines(
         [
@@ -265,6 +274,18 @@ def test_the_plugin_passes_a_correct_step_and_fails_a_wrong_one_with_the_diagnos
             "E *JSON report: *gradweight*examples.torch_nanogpt.step.torch.token_mean.json",
         ]
     )
+    # A multi-term objective's failure names the pattern and the term, per term.
+    result.stdout.fnmatch_lines(
+        [
+            "*test_objective_coefficient_twice*",
+            "E *AssertionError: examples.torch_objective:step_z_loss_coefficient_twice (torch) "
+            "does NOT match the objective examples.objectives:MOE*",
+            "E *Explains every case: aux-coefficient-twice(z_loss)*",
+            "E *z_loss (z_loss, λ 0.01, update): scale 0.01*aux-coefficient-twice",
+            "E *Fix: apply z_loss's coefficient once*",
+            "E *packed*FAIL*",
+        ]
+    )
     # pytest's one-line summary carries the verdict.
     result.stdout.fnmatch_lines(
         ["FAILED test_library.py::test_nanogpt - AssertionError: examples.torch_nanogpt*"]
@@ -275,7 +296,11 @@ def test_the_plugin_passes_a_correct_step_and_fails_a_wrong_one_with_the_diagnos
     assert written == [
         "test_correct.examples.torch_torchtitan.step.torch.token_mean.json",
         "test_nanogpt.examples.torch_nanogpt.step.torch.token_mean.json",
+        "test_objective_coefficient_twice.examples.torch_objective."
+        "step_z_loss_coefficient_twice.torch.examples.objectives-MOE.json",
     ]
+    twice = json.loads((json_dir / written[2]).read_text())
+    assert twice["diagnosis"]["best_match"] == "aux-coefficient-twice(z_loss)"
     failed = json.loads((json_dir / written[1]).read_text())
     assert failed["ok"] is False
     assert failed["diagnosis"]["best_match"] == "microbatch-mean"

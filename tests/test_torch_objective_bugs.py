@@ -3,8 +3,9 @@
 
 One launch per world size R in {1, 2, 4} runs every case of that size (starting a gloo group
 costs seconds): the correct step at M in {1, 2} and each pattern at the layouts of `BUG_LAYOUTS`
-with that R. Rank 0's gradient is diagnosed here against the numpy oracle; every rank must hold
-the same bytes (one all-reduce leaves the same on each).
+(`LOCAL_BUG_LAYOUTS` for a pattern of a microbatch-scope term) with that R. Rank 0's gradient
+is diagnosed here against the numpy oracle; every rank must hold the same bytes (one
+all-reduce leaves the same on each).
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ import functools
 
 import numpy as np
 import pytest
-from test_jax_objective_bugs import BUG_LAYOUTS, BUGS, CORRECT_LAYOUTS, FIXTURE, TERMS
+from test_jax_objective_bugs import (
+    AMBIGUOUS,
+    BUG_LAYOUTS,
+    BUGS,
+    CORRECT_LAYOUTS,
+    FIXTURE,
+    LOCAL_BUG_LAYOUTS,
+    LOCAL_BUGS,
+    TERMS,
+    terms_of,
+)
 from test_objective_oracle import make_params
 
 from crosscheck.contract.fixture import BATCH_KEYS
@@ -44,7 +55,7 @@ def _case(pattern: str, target: str | None, R: int, M: int) -> ObjectiveBugCase:
         target=target,
         batch={k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS},
         params=make_params(fixture.vocab_size),
-        terms=TERMS,
+        terms=terms_of(pattern),
         accum_steps=M,
         vocab_size=fixture.vocab_size,
     )
@@ -53,6 +64,7 @@ def _case(pattern: str, target: str | None, R: int, M: int) -> ObjectiveBugCase:
 def _cases(R: int) -> list[tuple[str, str | None, tuple[int, int]]]:
     runs = [(INTENDED, None, layout) for layout in CORRECT_LAYOUTS]
     runs += [(p, t, layout) for p, t in BUGS for layout in BUG_LAYOUTS] + COINCIDING
+    runs += [(p, t, layout) for p, t in LOCAL_BUGS for layout in LOCAL_BUG_LAYOUTS] + AMBIGUOUS
     runs.append(PER_TOKEN_FACTOR)
     return [run for run in runs if run[2][0] == R]
 
@@ -78,7 +90,8 @@ def diagnose(key):
     (R, M) = key[2]
     fixture = builtin_fixture(FIXTURE)
     grads = world_results(R)[key]
-    return diagnose_objective(make_params(fixture.vocab_size), fixture.layout(R, M), TERMS, grads)
+    terms = terms_of(key[0])
+    return diagnose_objective(make_params(fixture.vocab_size), fixture.layout(R, M), terms, grads)
 
 
 @pytest.mark.parametrize(("R", "M"), CORRECT_LAYOUTS)
@@ -97,6 +110,26 @@ def test_each_buggy_torch_step_is_detected_and_named(pattern, target, layout):
     assert d.intended_error >= 1e-6  # far beyond rounding: a real error
     assert d.best_match == f"{pattern}({target})", (d.explanation, d.candidate_errors)
     assert d.candidate_errors[d.best_match] <= 1e-12
+
+
+@pytest.mark.parametrize("layout", LOCAL_BUG_LAYOUTS)
+@pytest.mark.parametrize(("pattern", "target"), LOCAL_BUGS)
+def test_each_buggy_torch_step_of_a_microbatch_term_is_detected_and_named(pattern, target, layout):
+    d = diagnose((pattern, target, layout))
+    assert not d.intended_fits
+    assert d.intended_error >= 1e-6
+    assert d.best_match == f"{pattern}({target})", (d.explanation, d.candidate_errors)
+    assert d.candidate_errors[d.best_match] <= 1e-12
+    R, M = layout  # the router loss summed over the R M forwards instead of averaged
+    assert abs(d.term_scales[target] - R * M) <= 1e-9 and abs(d.term_scales["ce"] - 1) <= 1e-12
+
+
+@pytest.mark.parametrize(("pattern", "target", "layout"), AMBIGUOUS)
+def test_a_torch_pattern_another_explains_as_well_is_ambiguous(pattern, target, layout):
+    """At M = 1, x R M is x R: the world-size factor fits as well, and neither is named."""
+    d = diagnose((pattern, target, layout))
+    assert d.best_match == "ambiguous", (d.explanation, d.candidate_errors)
+    assert set(d.explanations) == {f"{pattern}({target})", f"aux-world-size-factor({target})"}
 
 
 @pytest.mark.parametrize(("pattern", "target", "layout"), COINCIDING)
@@ -131,6 +164,8 @@ def test_torch_sibling_scope_recovers_the_local_unit_weights():
         ("shifted-aux-count", "z_loss", "mtp"),
         ("aux-global-count-local-stats", "mtp", "moe_lb"),
         ("sibling-term-scope", "moe_lb", "token-mean"),
+        ("aux-summed-over-microbatches", "moe_lb", "microbatch scope"),  # TERMS': update
+        ("aux-summed-over-microbatches", "z_loss", "moe_lb"),
     ],
 )
 def test_a_pattern_refuses_a_target_it_is_not_written_for(pattern, target, why):

@@ -11,6 +11,15 @@ auxiliary term k is weighted against the main term in a way the objective did no
 * (4, 1): the same across ranks only, without accumulation.
 
 shifted-aux-count (scale n'/n) and aux-coefficient-twice (scale λ_k) show at every layout.
+
+aux-summed-over-microbatches hits a term meant per microbatch (a MoE model's own router loss,
+meant as the mean over the update's R M forwards), which `TERMS` has none of: it runs on its
+own objective, `MICROBATCH_TERMS`, the same four terms with moe_lb at ``microbatch`` scope, so
+that every other row keeps `TERMS`. Its factor R M is aux-world-size-factor's R wherever M = 1
+(the diagnosis calls (4, 1) ``ambiguous``, both names fitting), and at R = 1 only the missing
+1 / M shows, not the DDP factor: it runs at (2, 2) and (2, 4) (one ``packed`` row per
+microbatch), where R M is neither R nor M, so that no row claims a name its layout cannot show.
+
 Each gradient g goes to `diagnose_objective`, which fits it on the numpy oracle's per-term and
 per-(term, microbatch) gradients: a row is *detected* when the intended objective does not
 fit (worst-leaf error or a unit weight off beyond 1e-12 plus the noise), and *named* when the
@@ -55,9 +64,25 @@ OBJECTIVE_PATTERNS: dict[str, str] = {
     "aux-global-count-local-stats": "moe_lb",
     # λ = 0.1 is no world size: the diagnosis cannot mistake it for aux-world-size-factor.
     "aux-coefficient-twice": "z_loss",
+    # The router loss of each forward (microbatch scope), x R and never / M: x R M.
+    "aux-summed-over-microbatches": "moe_lb",
+}
+#: `TERMS` with moe_lb per microbatch (micro-batch load balancing, as a MoE model computes its
+#: router loss in its own forward): what aux-summed-over-microbatches weighs wrongly.
+MICROBATCH_TERMS: tuple[dict[str, Any], ...] = tuple(
+    {**term, "scope": "microbatch"} if term["kind"] == "moe_lb" else term for term in TERMS
+)
+#: pattern -> its objective, where not `TERMS`.
+PATTERN_TERMS: dict[str, tuple[dict[str, Any], ...]] = {
+    "aux-summed-over-microbatches": MICROBATCH_TERMS,
 }
 FIXTURE = "packed"
 LAYOUTS: tuple[tuple[int, int], ...] = ((2, 2), (4, 1))
+#: pattern -> its layouts, where not `LAYOUTS`: R > 1 and M > 1, so that x R M is neither the
+#: world-size factor x R (M = 1) nor a plain x M.
+PATTERN_LAYOUTS: dict[str, tuple[tuple[int, int], ...]] = {
+    "aux-summed-over-microbatches": ((2, 2), (2, 4)),
+}
 _RUNNERS = {"torch": run_torch, "jax": run_jax}
 
 
@@ -98,6 +123,16 @@ class ObjectiveBugResult:
         }
 
 
+def terms_of(pattern: str) -> tuple[dict[str, Any], ...]:
+    """The objective `pattern` runs on."""
+    return PATTERN_TERMS.get(pattern, TERMS)
+
+
+def layouts_of(pattern: str) -> tuple[tuple[int, int], ...]:
+    """The (R, M) layouts `pattern` runs at: where it shows and only it fits."""
+    return PATTERN_LAYOUTS.get(pattern, LAYOUTS)
+
+
 def objective_runs(
     frameworks: Sequence[str] = ("torch", "jax"), patterns: Sequence[str] | None = None
 ) -> list[ObjectiveBugRun]:
@@ -115,12 +150,12 @@ def objective_runs(
             fixture=FIXTURE,
             world_size=R,
             accum_steps=M,
-            terms=frozen_terms(TERMS),
+            terms=frozen_terms(terms_of(pattern)),
         )
         for pattern, target in OBJECTIVE_PATTERNS.items()
         if patterns is None or pattern in patterns
         for framework in frameworks
-        for R, M in LAYOUTS
+        for R, M in layouts_of(pattern)
     ]
 
 

@@ -289,6 +289,11 @@ def verify(args: argparse.Namespace, console: Console) -> int:
 
     problem = check_outputs("verify", {"--json": args.json, "--plot": args.plot})
     problem = problem or plot_problem("verify", args.plot)
+    if not problem and args.objective is not None and args.plot is not None:
+        problem = (
+            "crosscheck verify: --plot draws one scheme's weights per group of tokens; with "
+            "--objective, the per-term weights are in the report and in --json"
+        )
     if problem:
         return refuse(console, problem)
     # Under torchrun or in a multi-host JAX job: this process is one rank of it (docs/gpu.md).

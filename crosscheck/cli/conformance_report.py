@@ -65,11 +65,11 @@ def _expected(row: Row) -> str:
     return row.outcome
 
 
-def _scheme(setting: Setting) -> str:
-    """The intended scheme as the table shows it: a spec object by its name, without the
-    module it is imported from (the reproduction command has it whole)."""
-    module, _, name = setting.scheme.rpartition(":")
-    return name if "." in module else setting.scheme
+def _intended(setting: Setting) -> str:
+    """The intended scheme or objective as the table shows it: an object by its name, without
+    the module it is imported from (the reproduction command has it whole)."""
+    module, _, name = setting.intended.rpartition(":")
+    return name if "." in module else setting.intended
 
 
 def _layouts(setting: Setting) -> str:
@@ -90,7 +90,7 @@ def conformance_table(rows: list[Row]) -> Table:
         table.add_row(
             row.label,
             row.setting.title,
-            _scheme(row.setting) if row.setting.runs else "-",
+            _intended(row.setting) if row.setting.runs else "-",
             _verdict(row),
             _error(row.max_rel_err),
             _cases(row) if row.setting.runs else "-",
@@ -187,7 +187,9 @@ def markdown(rows: list[Row], skipped: list[tuple[Setting, str]], env: dict, wal
         "frameworks: `crosscheck/conformance/adapters/`.",
         "",
         "**Reading a row.** `intended` is the scheme the framework's documentation promises "
-        "for the setting (its words and file:line are under the table); `verdict` is `pass` "
+        "for the setting (its words and file:line are under the table), or for a loss with a "
+        "second term the multi-term objective it means "
+        "([verify.md](verify.md#multi-term-objectives)); `verdict` is `pass` "
         "(at the precision the update's own arithmetic shows) or the name that explains every "
         "case of the run, a pattern of [bugs.md](bugs.md), a scheme, or a family "
         "(`microbatch-skew`: a factor per microbatch; `scale`: every token alike) with its "
@@ -211,7 +213,7 @@ def markdown(rows: list[Row], skipped: list[tuple[Setting, str]], env: dict, wal
             continue
         evidence = row.expectation.evidence if row.expectation else ""
         lines.append(
-            f"| {row.label} | {row.setting.title} | `{row.setting.scheme}` | {_verdict(row)} "
+            f"| {row.label} | {row.setting.title} | `{row.setting.intended}` | {_verdict(row)} "
             f"| {_error(row.max_rel_err)} | {_expected(row)} | {evidence} |"
         )
     lines += ["", "## What each setting promises, and the command that reproduces it", ""]

@@ -89,6 +89,7 @@ def launched_verify(args: argparse.Namespace, console: Console) -> int | None:
                 args.step,
                 framework=args.framework,
                 scheme=args.scheme,
+                objective=args.objective,
                 fixtures=args.fixtures,
                 world_sizes=[world_size],
                 accum_steps=args.accum_steps or default_accum(world_size),

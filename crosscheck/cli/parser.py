@@ -23,6 +23,7 @@ from crosscheck.contract.cases import STRATEGIES
 from crosscheck.fixtures.builtin import fixture_reference
 from crosscheck.launch.devices import JAX_PLATFORMS, TORCH_DEVICES
 from crosscheck.run.implementations import IMPLEMENTATIONS
+from crosscheck.verification.objective_verify import OBJECTIVE_FIXTURES
 from crosscheck.verification.verifier import DEFAULT_FIXTURES, DEFAULT_LAYOUTS, SPEC_FIXTURES
 
 
@@ -224,19 +225,25 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         "--framework", choices=("torch", "jax"), required=True, help="the step's framework"
     )
     verify.add_argument("--step", required=True, help="MODULE:FUNCTION, importable from here")
-    verify.add_argument(
+    intended = verify.add_mutually_exclusive_group(required=True)
+    intended.add_argument(
         "--scheme",
-        required=True,
         help="the scheme the step is meant to compute: a name (constant:C for a fixed "
         "normalizer C; a trainer mode of docs/schemes-as-data.md) or MODULE:OBJECT naming a "
-        "SchemeSpec or its dict",
+        "SchemeSpec or its dict (no default: this or --objective)",
+    )
+    intended.add_argument(
+        "--objective",
+        help="instead of --scheme, the multi-term objective the step is meant to compute: a "
+        "name of docs/objectives.md (aux, aux-local) or MODULE:OBJECT naming a list of terms; "
+        "judged per term (docs/verify.md#multi-term-objectives; no default: this or --scheme)",
     )
     verify.add_argument(
         "--fixtures",
         type=_fixture_list,
         help="built-in names or fixture .npz paths, comma-separated (default: "
         f"{','.join(DEFAULT_FIXTURES)}; for a scheme beyond contract v1's: "
-        f"{','.join(SPEC_FIXTURES)})",
+        f"{','.join(SPEC_FIXTURES)}; for an objective: {','.join(OBJECTIVE_FIXTURES)})",
     )
     layouts = ", ".join(f"{R}x{M}" for R, M in DEFAULT_LAYOUTS)
     verify.add_argument(

@@ -23,10 +23,11 @@ from crosscheck.cli.report import time_figures
 from crosscheck.diagnosis.verdict import LEVEL_NAMES
 from crosscheck.launch.cpu_time import cpu_seconds
 from crosscheck.tables import fitted
+from crosscheck.verification.objective_verify import ObjectiveCase, ObjectiveReport
 from crosscheck.verification.verifier import VerifyCase, VerifyReport, verify
 
 
-def _result(case: VerifyCase) -> str:
+def _result(case: VerifyCase | ObjectiveCase) -> str:
     return "[green]pass[/]" if case.ok else ("[red]error[/]" if case.error else "[red]FAIL[/]")
 
 
@@ -94,14 +95,44 @@ def compact_verify_table(report: VerifyReport) -> Table:
     return table
 
 
-def print_verify_table(console: Console, report: VerifyReport) -> None:
+def objective_table(report: ObjectiveReport) -> Table:
+    """One row per case of a multi-term objective, narrow enough for 80 columns: the name
+    given to the case (a pattern names its term), and for a case no pattern explains, the
+    terms not weighted as intended."""
+    table = Table(title=f"{report.step} ({report.framework}) against {report.objective.name}")
+    table.add_column("fixture\nlayout", overflow="fold")
+    table.add_column("max rel err\nprecision", justify="right", no_wrap=True)
+    table.add_column("diagnosed as", overflow="fold")
+    table.add_column("result", justify="right", no_wrap=True)
+    for case in report.cases:
+        d = case.diagnosis
+        name = "-" if d is None else d.best_match
+        off = [v["term"] for v in case.term_verdicts(report.objective) if not v["as_intended"]]
+        if d is not None and "(" not in name and off:
+            name += f" (terms off: {', '.join(off)})"
+        table.add_row(
+            f"{case.job.fixture}\nR={case.job.world_size},M={case.job.accum_steps}",
+            f"{_error(case.max_rel_err)}\n{'-' if case.level is None else LEVEL_NAMES[case.level]}",
+            name,
+            _result(case),
+        )
+    return table
+
+
+def report_table(console: Console, report: VerifyReport | ObjectiveReport) -> Table:
     """The report's table, in the layout that fits the console."""
-    console.print(fitted(console, verify_table(report), lambda: compact_verify_table(report)))
+    if isinstance(report, ObjectiveReport):  # one row per case, per-term names: narrow already
+        return objective_table(report)
+    return fitted(console, verify_table(report), lambda: compact_verify_table(report))
+
+
+def print_verify_table(console: Console, report: VerifyReport | ObjectiveReport) -> None:
+    console.print(report_table(console, report))
 
 
 def write_verify_report(
     console: Console,
-    report: VerifyReport,
+    report: VerifyReport | ObjectiveReport,
     args: argparse.Namespace,
     figures: str,
     record_extra: dict[str, float | int],
@@ -135,7 +166,7 @@ def write_verify_report(
     console.print(f"{'OK' if report.ok else 'FAIL'}   {figures}")
 
 
-def verify_exit_code(report: VerifyReport) -> int:
+def verify_exit_code(report: VerifyReport | ObjectiveReport) -> int:
     """OK, MISMATCH (some case diagnosed as not matching) or STEP_FAILED (no case mismatched,
     some could not be run or read); see `crosscheck.exit_codes`."""
     mismatched = any(not case.ok and case.diagnosis is not None for case in report.cases)
@@ -155,6 +186,7 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
                 args.step,
                 framework=args.framework,
                 scheme=args.scheme,
+                objective=args.objective,
                 fixtures=args.fixtures,
                 world_sizes=args.world_sizes,
                 accum_steps=args.accum_steps,

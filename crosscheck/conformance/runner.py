@@ -18,6 +18,7 @@ from importlib import metadata
 from crosscheck.conformance.expectations import PASS, Expectation, expectation_for
 from crosscheck.conformance.settings import TIMEOUT_S, Setting
 from crosscheck.diagnosis.naming import AMBIGUOUS
+from crosscheck.verification.objective_verify import ObjectiveReport
 from crosscheck.verification.verifier import VerifyReport, verify
 
 #: Outcomes of a row. Only DIFFERS and NO_EXPECTATION fail the command (exit 1); COULD_NOT_RUN
@@ -102,7 +103,7 @@ class Row:
             "title": s.title,
             "version": self.version,
             "also": self.also,
-            "intended": s.scheme,
+            "intended": s.intended,
             "promise": s.promise,
             "source": s.source,
             "deviations": s.deviations,
@@ -126,7 +127,12 @@ class Row:
         }
 
 
-def verdict_of(report: VerifyReport) -> str:
+def intended_of(setting: Setting) -> dict[str, str]:
+    """``verify``'s keyword for what the setting means: its objective, else its scheme."""
+    return {"objective": setting.objective} if setting.objective else {"scheme": setting.scheme}
+
+
+def verdict_of(report: VerifyReport | ObjectiveReport) -> str:
     """``pass`` when the intended scheme explains every case, else the run's name for it;
     where the run's layouts cannot tell several names apart, each of them (``microbatch-mean
     or microstep-mean``), never a bare "ambiguous" that an expectation could not pin down."""
@@ -168,7 +174,7 @@ def run_setting(setting: Setting, expectations: list[Expectation]) -> Row:
         report = verify(
             setting.step,
             framework=setting.engine,
-            scheme=setting.scheme,
+            **intended_of(setting),
             fixtures=list(setting.fixtures),
             world_sizes=list(setting.world_sizes),
             accum_steps=list(setting.accum),
@@ -190,7 +196,6 @@ def run_setting(setting: Setting, expectations: list[Expectation]) -> Row:
         )
     wall = time.perf_counter() - started
     verdict = verdict_of(report)
-    shown = report.diagnosis
     return Row(
         setting=setting,
         version=version,
@@ -198,8 +203,8 @@ def run_setting(setting: Setting, expectations: list[Expectation]) -> Row:
         verdict=verdict,
         precision=report.level,
         max_rel_err=_finite(report.max_rel_err),
-        scale=None if shown is None or report.ok else _finite(shown.scale),
-        weight_ratio=None if shown is None or report.ok else _finite(shown.weight_ratio),
+        scale=None if report.ok else _finite(report.scale),
+        weight_ratio=None if report.ok else _finite(report.weight_ratio),
         cases=len(report.cases),
         wall_s=wall,
         expectation=expectation,

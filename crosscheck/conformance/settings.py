@@ -19,6 +19,8 @@ from dataclasses import dataclass
 #: The tiny Llama every torch adapter trains, and the reference's forward for it.
 LLAMA = "crosscheck.conformance.adapters.tiny_models:llama"
 LLAMA_LOGITS = "crosscheck.conformance.adapters.tiny_models:logits"
+MIXTRAL_AUX = "crosscheck.conformance.adapters.tiny_models:mixtral_aux"
+MIXTRAL_AUX_OBJECTIVE = "crosscheck.conformance.adapters.tiny_models:MIXTRAL_AUX_OBJECTIVE"
 HF = "crosscheck.conformance.adapters.hf_trainer"
 SFT = "crosscheck.conformance.adapters.trl_sft"
 
@@ -45,6 +47,9 @@ class Setting:
     forward: str | None = None
     #: The intended scheme, as ``verify --scheme`` takes it.
     scheme: str = "token_mean"
+    #: The intended multi-term objective, as ``verify --objective`` takes it (then in place of
+    #: `scheme`): a setting whose loss has a second term.
+    objective: str | None = None
     fixtures: tuple[str, ...] = ("packed", "ragged")
     world_sizes: tuple[int, ...] = (1, 2)
     accum: tuple[int, ...] = (1, 2)
@@ -68,6 +73,11 @@ class Setting:
         return f"{self.framework}:{self.setting}"
 
     @property
+    def intended(self) -> str:
+        """What the setting is held to: its objective where it has one, else its scheme."""
+        return self.objective or self.scheme
+
+    @property
     def runs(self) -> bool:
         return self.not_run is None and self.waiting is None
 
@@ -79,7 +89,11 @@ class Setting:
             args += ["--model", self.model]
         if self.forward:
             args += ["--forward", self.forward]
-        args += ["--scheme", self.scheme, "--fixtures", ",".join(self.fixtures)]
+        if self.objective:
+            args += ["--objective", self.objective]
+        else:
+            args += ["--scheme", self.scheme]
+        args += ["--fixtures", ",".join(self.fixtures)]
         args += ["--world-sizes", ",".join(map(str, self.world_sizes))]
         args += ["--accum-steps", ",".join(map(str, self.accum))]
         if self.precision != "auto":
@@ -103,33 +117,37 @@ _TRAINER_SOURCE = (
 
 
 def _trainer(setting: str, title: str, step: str, **fields: object) -> Setting:
+    defaults = {
+        "model": LLAMA,
+        "forward": LLAMA_LOGITS,
+        "promise": _TRAINER_PROMISE,
+        "source": _TRAINER_SOURCE,
+        "also": ("accelerate",),
+    }
     return Setting(
         framework="transformers",
         setting=setting,
         title=title,
         step=f"{HF}:{step}",
-        model=LLAMA,
-        forward=LLAMA_LOGITS,
-        promise=_TRAINER_PROMISE,
-        source=_TRAINER_SOURCE,
-        also=("accelerate",),
-        **fields,
+        **(defaults | fields),
     )
 
 
 def _sft(setting: str, title: str, step: str, **fields: object) -> Setting:
+    defaults = {
+        "model": LLAMA,
+        "forward": LLAMA_LOGITS,
+        "promise": "loss_type 'nll': 'standard negative log-likelihood', with the Trainer's "
+        "average_tokens_across_devices 'for precise loss calculation'",
+        "source": "trl 1.16.0 sft_config.py L107-113; sft_trainer.py L1610-1629 compute_loss",
+        "also": ("transformers", "accelerate"),
+    }
     return Setting(
         framework="trl",
         setting=setting,
         title=title,
         step=f"{SFT}:{step}",
-        model=LLAMA,
-        forward=LLAMA_LOGITS,
-        promise="loss_type 'nll': 'standard negative log-likelihood', with the Trainer's "
-        "average_tokens_across_devices 'for precise loss calculation'",
-        source="trl 1.16.0 sft_config.py L107-113; sft_trainer.py L1610-1629 compute_loss",
-        also=("transformers", "accelerate"),
-        **fields,
+        **(defaults | fields),
     )
 
 
@@ -329,18 +347,17 @@ SETTINGS: tuple[Setting, ...] = (
         "Trainer, a model whose accepts_loss_kwargs is False",
         "step_no_loss_kwargs",
     ),
-    Setting(
-        framework="transformers",
-        setting="trainer-moe-aux",
-        title="Trainer, Mixtral with output_router_logits and router_aux_loss_coef > 0",
-        also=("accelerate",),
-        promise=_TRAINER_PROMISE,
-        source="transformers 5.24.0 trainer.py L2208-2216 (loss x num_processes), "
-        "L2110-2119 (no division by GA once num_items_in_batch is used)",
-        waiting="a second loss term (the router's load-balancing loss): verify judges one "
-        "cross-entropy term until it takes multi-term objectives",
-        prediction="the aux term rides the cross-entropy's x R and is never divided by the "
-        "accumulation steps: it is summed over the update's R x M microbatches",
+    _trainer(
+        "trainer-moe-aux",
+        "Trainer, Mixtral with output_router_logits and router_aux_loss_coef > 0",
+        "step_default",
+        model=MIXTRAL_AUX,
+        objective=MIXTRAL_AUX_OBJECTIVE,
+        source="transformers 5.24.0 modeling_mixtral.py L626-633 (the router loss added to the "
+        "model's loss), trainer.py L2208-2216 (loss x num_processes), L2110-2119 (no division "
+        "by GA once num_items_in_batch is used)",
+        deviations=f"{NO_CLIPPING}; the Mixtral's experts run eagerly (experts_implementation="
+        "'eager'), as transformers' default grouped_mm refuses float64",
     ),
     _sft(
         "sft-nll",
@@ -370,16 +387,18 @@ SETTINGS: tuple[Setting, ...] = (
         "cross-entropy the verify reference computes",
         prediction="the same count and scale as nll: the global token mean of the dft loss",
     ),
-    Setting(
-        framework="trl",
-        setting="sft-moe-aux",
-        title="SFTTrainer, a MoE model's router aux loss",
-        also=("transformers", "accelerate"),
-        source="trl 1.16.0 sft_trainer.py L1625-1629",
-        waiting="a second loss term: verify judges one cross-entropy term until it takes "
-        "multi-term objectives",
-        prediction="the aux term is divided by the accumulation steps and averaged over the "
-        "ranks: a mean over the update's microbatches",
+    _sft(
+        "sft-moe-aux",
+        "SFTTrainer, loss_type=nll, a MoE model's router aux loss, bf16=False",
+        "step_nll_float32",
+        model=MIXTRAL_AUX,
+        objective=MIXTRAL_AUX_OBJECTIVE,
+        promise="sft_trainer.py L1625-1626: 'The MoE aux loss is a per-micro-batch mean that "
+        "DDP averages across ranks. With `num_items_in_batch`, `Trainer` leaves gradient "
+        "accumulation to the loss, so average it over the accumulation steps'",
+        source="trl 1.16.0 sft_trainer.py L1196-1211 (aux_loss_enabled), L1615-1629 compute_loss",
+        deviations=f"{NO_CLIPPING}; the Mixtral's experts run eagerly (experts_implementation="
+        "'eager'), as transformers' default grouped_mm refuses float64",
     ),
     _grpo(
         "grpo-grpo",

@@ -218,17 +218,23 @@ def _is_reference(text: str) -> bool:
     return bool(sep) and name not in known_spec_names() and attribute.isidentifier()
 
 
-def _load_reference(reference: str) -> SchemeSpec:
+def load_reference(reference: str, what: str) -> Any:
+    """The object ``MODULE:OBJECT`` names, the module imported from the current directory
+    first (as ``verify --step`` is); ValueError naming `what` when it cannot be found."""
     module_name, _, attribute = reference.partition(":")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"scheme {reference!r}: cannot import {module_name!r}: {error}") from None
+        raise ValueError(f"{what} {reference!r}: cannot import {module_name!r}: {error}") from None
     if not hasattr(module, attribute):
-        raise ValueError(f"scheme {reference!r}: module {module_name!r} has no {attribute!r}")
-    value = getattr(module, attribute)
+        raise ValueError(f"{what} {reference!r}: module {module_name!r} has no {attribute!r}")
+    return getattr(module, attribute)
+
+
+def _load_reference(reference: str) -> SchemeSpec:
+    value = load_reference(reference, "scheme")
     if not isinstance(value, SchemeSpec | dict):
         raise ValueError(
             f"scheme {reference!r} is a {type(value).__name__}; a scheme is a SchemeSpec or "

@@ -26,6 +26,13 @@ per unit, :math:`\sum_u \mu_u G_{k,u}`, or its form (a scope whose counts are lo
   the microbatch-scope term (weights :math:`E / (k n_u^2 R M)`) with
   :math:`\mu_u = n_u R M / n`.
 * ``aux-coefficient-twice(k)``: :math:`\mu = \lambda_k` (the term weighs :math:`\lambda_k^2`).
+* ``aux-summed-over-microbatches(k)``: :math:`\mu = R M` on a term meant per microbatch (a
+  per-forward mean, as a model's own router loss is): the term rides the main loss's factor R
+  and is never divided by M, so the update sums it over its R M forwards instead of averaging
+  them (transformers 5.24's ``Trainer`` with a MoE model's router loss: modeling_mixtral.py:633
+  adds it to the loss, trainer.py:2215 multiplies by R, trainer.py:2116-2119 skips the division
+  by M under ``num_items_in_batch``; TRL 1.16.0's SFTTrainer divides it by M after the x R,
+  sft_trainer.py:1624-1629).
 
 The main term (the first, unless named) is never hit: a pattern is about an auxiliary term
 that disagrees with it.
@@ -52,6 +59,7 @@ PATTERNS: tuple[str, ...] = (
     "aux-world-size-factor",
     "aux-global-count-local-stats",
     "aux-coefficient-twice",
+    "aux-summed-over-microbatches",
 )
 #: Scopes from the least to the most local.
 _SCOPE_ORDER = ("update", "rank", "microbatch")
@@ -184,6 +192,8 @@ def candidates(
             add("aux-global-count-local-stats", term, "local f, P over n", factors @ local_basis)
         lam = term.coefficient
         add("aux-coefficient-twice", term, f"x lambda = {lam:g}", lam * own.sum(axis=0))
+        if scope == "microbatch":
+            add("aux-summed-over-microbatches", term, f"x R M = {R * M}", R * M * own.sum(axis=0))
     return intended, basis, found
 
 

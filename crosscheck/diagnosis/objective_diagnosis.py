@@ -41,7 +41,7 @@ import numpy as np
 
 from crosscheck.contract.layout import LaidOutBatch
 from crosscheck.contract.objective_terms import Term, parse_objective
-from crosscheck.diagnosis.objective_candidates import candidates, flat_keys, flatten
+from crosscheck.diagnosis.objective_candidates import Candidate, candidates, flat_keys, flatten
 from crosscheck.diagnosis.verdict import Z_SCORE
 
 #: float64 arithmetic: the oracle and a float64 step differ by a few ulps per token in the
@@ -86,17 +86,28 @@ class ObjectiveDiagnosis:
     #: Worst-leaf error of every candidate name (its best variant).
     candidate_errors: dict[str, float] = field(default_factory=dict)
     explanation: str = ""
+    #: Candidates that predict the intended gradient at this layout (aux-world-size-factor at
+    #: R = 1): they name nothing here, and are consistent with a case the intended fits.
+    coinciding: tuple[str, ...] = ()
+    #: Per term name, max over its identifiable units of |w_{k,u} - 1| - z se(w_{k,u}) (0 when
+    #: none is identifiable): the term is weighted as intended when this is within the tolerance.
+    term_excess: dict[str, float] = field(default_factory=dict)
 
 
-def worst_leaf_error(actual: np.ndarray, expected: np.ndarray, sizes: Sequence[int]) -> float:
+def worst_leaf_error(
+    actual: np.ndarray, expected: np.ndarray, sizes: Sequence[int], skip: Sequence[int] = ()
+) -> float:
     """max over leaves of max|actual - expected| / max|expected| (a zero leaf: max|actual|);
-    inf when `actual` is not finite (max() would silently drop a NaN: 0/0 is never a fit)."""
+    inf when `actual` is not finite (max() would silently drop a NaN: 0/0 is never a fit).
+    `skip`: indices of leaves left out (a model's parameters no term gives a gradient)."""
     if not np.isfinite(actual).all():
         return np.inf
     worst, start = 0.0, 0
-    for size in sizes:
+    for index, size in enumerate(sizes):
         a, e = actual[start : start + size], expected[start : start + size]
         start += size
+        if index in skip:
+            continue
         scale = np.abs(e).max() if size else 0.0
         diff = np.abs(a - e).max() if size else 0.0
         worst = max(worst, float(diff / scale) if scale > 0 else float(diff))
@@ -151,11 +162,12 @@ def _fit(columns: np.ndarray, target: np.ndarray) -> _Fit:
     return _Fit(coefficients, errors, residual / size if size else 0.0, condition)
 
 
-def worst_unit_excess(fit: _Fit) -> float:
+def worst_unit_excess(fit: _Fit, units: slice = slice(None)) -> float:
     """max over identifiable units of |w - 1| - z se: the intended objective's weight test
     passes when this is within the tolerance (every unit's weight within tolerance plus
-    `Z_SCORE` standard errors of the measured noise, as the single-term verdict judges)."""
-    w, se = fit.coefficients, fit.standard_errors
+    `Z_SCORE` standard errors of the measured noise, as the single-term verdict judges).
+    `units`: the columns of one term only."""
+    w, se = fit.coefficients[units], fit.standard_errors[units]
     known = ~np.isnan(w) & ~np.isnan(se)
     if not known.any():
         return 0.0
@@ -182,14 +194,35 @@ def diagnose_objective(
     R, M = batch.targets.shape[:2]
     intended, basis, found = candidates(params, batch, objective, main)
     names = [t.name for t in objective]
+    return diagnose_columns(g, sizes, names, basis, intended, found, (R, M), rtol)
 
-    intended_error = worst_leaf_error(g, intended, sizes)
+
+def diagnose_columns(
+    g: np.ndarray,
+    sizes: Sequence[int],
+    names: Sequence[str],
+    basis: Mapping[str, np.ndarray],
+    intended: np.ndarray,
+    found: Sequence[Candidate],
+    layout: tuple[int, int],
+    rtol: float = RTOL_FLOAT64,
+    dead: Sequence[int] = (),
+) -> ObjectiveDiagnosis:
+    """`diagnose_objective` on given columns: the flat gradient `g` (leaves of `sizes`), each
+    term's per-microbatch intended gradients ``basis[name]`` [R M, P] (rank-major), their sum
+    `intended` and the patterns' predictions `found`. The oracle gives these for the fixture
+    model family (`objective_candidates.candidates`); a user's own model gives them from its
+    own backward passes (``crosscheck.verification.objective_model``), which also names the
+    leaves no term reaches (`dead`): the worst-leaf errors leave them out, the fits keep them,
+    and the intended objective fits only where the fit's residual is within `rtol` too."""
+    R, M = layout
+    intended_error = worst_leaf_error(g, intended, sizes, dead)
 
     per_term = np.stack([basis[n].sum(axis=0) for n in names], axis=1)
     scales = _fit(per_term, g).coefficients
     # A term whose gradient cannot be separated scales as intended in the prediction.
     scaled = per_term @ np.where(np.isnan(scales), 1.0, scales)
-    term_scale_error = worst_leaf_error(g, scaled, sizes)
+    term_scale_error = worst_leaf_error(g, scaled, sizes, dead)
 
     per_unit = np.concatenate([basis[n].T for n in names], axis=1)  # [P, K (R M)]
     units = _fit(per_unit, g)
@@ -197,16 +230,20 @@ def diagnose_objective(
     # The worst-leaf test alone would pass a small skew of a small term's unit (its share of
     # every leaf below 1e-12); the weight test, as in the single-term verdict, does not.
     unit_excess = worst_unit_excess(units) if np.isfinite(g).all() else np.inf
-    intended_fits = intended_error <= rtol and unit_excess <= rtol
+    # The residual: what no reweighting of the terms' units explains (gradient on a leaf no
+    # term reaches, a term whose form changed) is no rounding once it passes the tolerance.
+    intended_fits = intended_error <= rtol and unit_excess <= rtol and residual <= rtol
     per_rank = np.concatenate([basis[n].reshape(R, M, -1).sum(axis=1).T for n in names], axis=1)
     rank_fit = _fit(per_rank, g).coefficients
 
     errors: dict[str, float] = {}
+    coinciding: list[str] = []
     for candidate in found:
         # A candidate that coincides with the intended objective here names nothing.
-        if worst_leaf_error(candidate.prediction, intended, sizes) <= rtol:
+        if worst_leaf_error(candidate.prediction, intended, sizes, dead) <= rtol:
+            coinciding.append(candidate.name)
             continue
-        error = worst_leaf_error(g, candidate.prediction, sizes)
+        error = worst_leaf_error(g, candidate.prediction, sizes, dead)
         errors[candidate.name] = min(error, errors.get(candidate.name, np.inf))
     fits = [name for name, error in errors.items() if error <= rtol]
     if intended_fits:
@@ -217,6 +254,12 @@ def diagnose_objective(
         if reweighting and term_scale_error <= rtol:
             explanations = [*fits, TERM_SCALE]
     best = explanations[0] if len(explanations) == 1 else (AMBIGUOUS if explanations else UNKNOWN)
+    K = R * M
+    finite = bool(np.isfinite(g).all())
+    term_excess = {
+        n: worst_unit_excess(units, slice(i * K, (i + 1) * K)) if finite else np.inf
+        for i, n in enumerate(names)
+    }
     return ObjectiveDiagnosis(
         best_match=best,
         intended_fits=intended_fits,
@@ -233,6 +276,8 @@ def diagnose_objective(
         explanations=tuple(explanations),
         candidate_errors=errors,
         explanation=_explain(best, explanations, intended_error, names, scales),
+        coinciding=tuple(dict.fromkeys(c for c in coinciding if c not in errors)),
+        term_excess=term_excess,
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.objective_terms import FROZEN_PARAMS
 from crosscheck.contract.row_fields import ROW_FIELD_KEYS
 from crosscheck.diagnosis.verdict import level_of_dtypes
 from crosscheck.launch.workers import write_atomically
@@ -124,6 +125,17 @@ def _apply_fn(vocab_size: int, hidden_size: int) -> Callable[[Any, Any], Any]:
     return apply_fn
 
 
+def objective_apply(params: Mapping[str, Any], inputs: Any, head: str = "unembed") -> Any:
+    """The multi-term family's logits (docs/objectives.md): ``embed[inputs] @ params[head]``
+    [..., out] for a head (``unembed``, ``mtp_unembed``, ``router``), and for ``"ref"`` the
+    frozen reference's ``ref_embed[inputs] @ ref_unembed``."""
+    import jax.numpy as jnp
+
+    if head == "ref":
+        return jnp.take(params["ref_embed"], inputs, axis=0) @ params["ref_unembed"]
+    return jnp.take(params["embed"], inputs, axis=0) @ params[head]
+
+
 @functools.cache
 def _mesh(world_size: int) -> Any:
     from jax_impl.shard_map_step import data_mesh
@@ -165,6 +177,14 @@ def _arguments(
     for key in ROW_FIELD_KEYS if job.row_fields else fixture.explicit_row_fields:
         batch[key] = np.array(getattr(laid_out, key))
     # Fresh: a step may donate them. float64 unless the job hands the step another dtype.
+    if job.objective_params:  # the multi-term family's params, and y' for an mtp term
+        from crosscheck.verification.objective_verify import objective_arrays
+
+        arrays, extra = objective_arrays(job.fixture, job.objective_params)
+        for key, value in extra.items():
+            batch[key] = np.array(value.reshape(laid_out.targets.shape))
+        params = {k: jnp.asarray(v, dtype=jnp.dtype(job.dtype)) for k, v in arrays.items()}
+        return params, objective_apply, batch, mesh or _mesh(job.world_size)
     if user_model is not None:
         from jax_impl.harness.model_reference import with_dtype
 
@@ -257,6 +277,11 @@ def run_job(
     try:
         if user_model is not None:  # any pytree: its leaves by path (model_reference.named_leaves)
             expected, out = _named_tree(params, out)
+        elif job.objective_params:
+            # The trained params only: a frozen reference's gradient, if returned, is ignored.
+            expected = {n: tuple(np.shape(params[n])) for n in params if n not in FROZEN_PARAMS}
+            if isinstance(out, Mapping):
+                out = {k: v for k, v in out.items() if k not in FROZEN_PARAMS}
         else:
             expected = {name: tuple(np.shape(params[name])) for name in PARAM_NAMES}
         grads = read_gradient(out, expected, job.world_size)

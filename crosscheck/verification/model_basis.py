@@ -122,6 +122,24 @@ def _run_jax(request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         return run_jax_job(JAX_WORKER, job, Path(tmp), timeout_s=timeout_s, use_zygote=False)
 
 
+def run_reference(
+    framework: str, model: str, request: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """The reference process's result for `request`; StepSetupError when it has none."""
+    run = _run_torch if framework == "torch" else _run_jax
+    try:
+        result = run(request, timeout_s)
+    except Exception as error:  # the launch failed or timed out: the model cannot be used
+        raise StepSetupError(
+            f"--model {model}: its reference gradient could not be computed: {str(error).strip()}"
+        ) from None
+    if "setup_error" in result:
+        raise StepSetupError(f"--model {model}: {result['setup_error']}")
+    if "error" in result:
+        raise StepSetupError(f"--model {model}: {result['error']}")
+    return result
+
+
 def model_reference(
     framework: str,
     model: str,
@@ -136,17 +154,7 @@ def model_reference(
     Measured on two shared cores, a factory that hangs under ``--timeout 10``: the CLI exits 2
     after 11.5 s (torch) and 10.2 s (JAX), nothing left running."""
     request, index_of, keys = reference_request(model, forward, jobs, scheme)
-    run = _run_torch if framework == "torch" else _run_jax
-    try:
-        result = run(request, timeout_s)
-    except Exception as error:  # the launch failed or timed out: the model cannot be used
-        raise StepSetupError(
-            f"--model {model}: its reference gradient could not be computed: {str(error).strip()}"
-        ) from None
-    if "setup_error" in result:
-        raise StepSetupError(f"--model {model}: {result['setup_error']}")
-    if "error" in result:
-        raise StepSetupError(f"--model {model}: {result['error']}")
+    result = run_reference(framework, model, request, timeout_s)
     bases = {
         name: GroupBasis(name, np.asarray(matrix, dtype=np.float64), tuple(shapes), keys[name])
         for name, (matrix, shapes) in result["bases"].items()

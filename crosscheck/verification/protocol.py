@@ -57,6 +57,19 @@ backward per (row, segment) group; :math:`l_t` is the cross-entropy of the logit
 ``--forward`` (default ``model(inputs)``, its ``.logits`` if any; JAX ``apply_fn(params,
 inputs)``) against ``targets``. Rows must be independent (no batch statistics).
 
+**A multi-term objective.** ``verify --objective`` (docs/objectives.md) hands the step the
+multi-term model family instead: only the params the objective's terms read (``embed``;
+``unembed`` for ce, z_loss, entropy and ref_kl; ``mtp_unembed`` for mtp; ``router`` for moe_lb;
+the frozen ``ref_embed`` and ``ref_unembed`` for ref_kl), and for an mtp term the shifted
+targets ``mtp_targets`` (y'_t = targets[t+1] inside the segment, else -100) beside the others.
+torch: ``model`` is ``DistributedDataParallel(torch_impl.objective.ObjectiveLM)``, whose
+``model(inputs, heads)`` returns ``{head: logits [B, T, out]}`` for heads among ``unembed``,
+``mtp_unembed``, ``router`` and ``ref`` (the frozen reference's logits, without gradient); the
+gradient is read from the trained params' ``.grad``. JAX: ``params`` holds those params and
+``apply_fn(params, inputs, head="unembed")`` returns ``embed[inputs] @ params[head]``
+(``head="ref"``: the reference's logits); the step returns the trained params' gradient (a
+frozen param's entry, if any, is ignored).
+
 **Params dtype.** ``verify --dtype bfloat16`` (or float32) hands the step the model (torch)
 or params (JAX) in that dtype instead of float64; the gradient is read back as float64 and
 judged at the precision its own noise shows (``crosscheck.diagnosis.verdict``).
@@ -122,6 +135,11 @@ class VerifyJob:
     #: fixture gives none): verify sets it when the intended scheme is a spec, whose step
     #: reads them. Otherwise only the fields a fixture gives are handed on.
     row_fields: bool = False
+    #: For a multi-term objective (``verify --objective``): the params handed to the step, those
+    #: of the multi-term model family (docs/objectives.md) that the objective's terms read;
+    #: the batch then holds ``mtp_targets`` too when ``mtp_unembed`` is among them. () for a
+    #: single scheme, whose step gets the analytic model's ``embed`` and ``unembed``.
+    objective_params: tuple[str, ...] = ()
 
     def describe(self) -> str:
         dtype = "" if self.dtype == "float64" else f" {self.dtype}"

@@ -64,6 +64,11 @@ class VerifyReport:
         return bool(self.cases) and all(case.ok for case in self.cases)
 
     @property
+    def intended_name(self) -> str:
+        """The name of what the step was held to: the intended scheme's."""
+        return self.scheme.name
+
+    @property
     def max_rel_err(self) -> float:
         return max((case.max_rel_err for case in self.cases), default=math.inf)
 
@@ -115,6 +120,16 @@ class VerifyReport:
                 c.job,
             ),
         ).diagnosis
+
+    @property
+    def scale(self) -> float | None:
+        """The detailed case's least-squares scale on the intended gradient (None: no case)."""
+        return None if self.diagnosis is None else self.diagnosis.scale
+
+    @property
+    def weight_ratio(self) -> float | None:
+        """The detailed case's largest over smallest recovered group weight ratio."""
+        return None if self.diagnosis is None else self.diagnosis.weight_ratio
 
     @property
     def detectable_skew(self) -> tuple[str, float] | None:
@@ -214,11 +229,7 @@ class VerifyReport:
         """The verdict, what it rests on, the name and the fix, and any step errors."""
         lines = [self.headline()]
         if self.model_refused:
-            lines.append(
-                f"The model's forward refuses float64 ({self.model_refused}): its reference and "
-                f"the step ran in {self.model_dtype}, judged at {LEVEL_NAMES[self.model_dtype]} "
-                "or coarser."
-            )
+            lines.append(refused_float64_line(self.model_refused, self.model_dtype))
         if self.ok:
             lines.append(f"Shown: {self.shown()}.")
             sensitivity = self.sensitivity()
@@ -289,6 +300,14 @@ class VerifyReport:
             "cases": [case.to_json() for case in self.cases],
             "errors": [case.error for case in self.cases if case.error],
         }
+
+
+def refused_float64_line(refused: str, dtype: str) -> str:
+    """What the report says of a model whose forward refuses float64 (``verify --model``)."""
+    return (
+        f"The model's forward refuses float64 ({refused}): its reference and the step ran in "
+        f"{dtype}, judged at {LEVEL_NAMES[dtype]} or coarser."
+    )
 
 
 def _separation_hint(names: Sequence[str]) -> str:

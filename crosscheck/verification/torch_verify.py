@@ -49,6 +49,7 @@ from crosscheck.contract.row_fields import ROW_FIELD_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.workers import launch_arrays, layout_problem
 from crosscheck.verification import torch_verify_outcomes as rank_outcomes
+from crosscheck.verification.objective_verify import objective_arrays
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
 if TYPE_CHECKING:  # torch is imported only when something is launched
@@ -105,12 +106,16 @@ def _user_job(job: VerifyJob) -> UserStepJob:
     if job.row_fields:  # every v2 field, its default where the fixture gives none
         fixture = builtin_fixture(job.fixture)
         batch = {**batch, **{key: np.asarray(getattr(fixture, key)) for key in ROW_FIELD_KEYS}}
+    if job.objective_params:  # the multi-term family's params and, for mtp, y'
+        params, extra = objective_arrays(job.fixture, job.objective_params)
+        batch = {**batch, **extra}
     return UserStepJob(
         label=job.describe(),
         batch=batch,
         params=params,
         accum_steps=job.accum_steps,
         dtype=job.dtype,
+        objective=bool(job.objective_params),
     )
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -46,6 +46,17 @@ from crosscheck.launch.devices import (
 )
 from crosscheck.run.implementations import not_installed
 from crosscheck.verification.model_basis import ModelReference, model_reference
+from crosscheck.verification.objective_model import (
+    model_objective_problem,
+    objective_model_reference,
+)
+from crosscheck.verification.objective_verify import (
+    BF16_REFUSED,
+    OBJECTIVE_FIXTURES,
+    ObjectiveReport,
+    judge_objective,
+    resolve_objective,
+)
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from crosscheck.verification.report import VerifyCase, VerifyReport
 from crosscheck.verification.step_check import (
@@ -158,7 +169,8 @@ def verify(
     step: str | Callable,
     *,
     framework: Framework,
-    scheme: str | SchemeSpec,
+    scheme: str | SchemeSpec | None = None,
+    objective: str | Sequence[Mapping[str, Any]] | None = None,
     fixtures: Sequence[str] | None = None,
     world_sizes: Sequence[int] | None = None,
     accum_steps: Sequence[int] | None = None,
@@ -170,13 +182,16 @@ def verify(
     run_jobs: Callable[[str, list[VerifyJob]], dict] | None = None,
     model: str | Callable | None = None,
     forward: str | Callable | None = None,
-) -> VerifyReport:
+) -> VerifyReport | ObjectiveReport:
     """Run `step` (see crosscheck.verification.protocol) on every fixture and layout and judge it.
 
     `scheme` is a `SchemeSpec` (``Constant(4096)`` keeps its C) or its dict, a name
     (``constant:4096`` reads as that; a trainer mode such as ``group_token_mean``), or
     ``module:object`` naming one (`resolve_scheme`); a scheme beyond contract v1's is checked
-    on SPEC_FIXTURES.
+    on SPEC_FIXTURES. `objective` (instead of `scheme`) is a multi-term objective: a name of
+    docs/objectives.md, ``module:object`` naming a list of terms, or the list; the step gets
+    the params its terms read and the result is an `ObjectiveReport`, per term
+    (`crosscheck.verification.objective_verify`), checked on OBJECTIVE_FIXTURES by default.
     Layouts default to DEFAULT_LAYOUTS; given `world_sizes` and/or
     `accum_steps`, their product (the missing one defaults to (1, 2)). `dtype` is the dtype
     of the model / params handed to the step. `precision` is "auto" (the finest level the
@@ -205,10 +220,25 @@ def verify(
         problem = unguarded_main_call(_CALL)
         if problem:
             raise StepSetupError(problem)
-    intended = resolve_scheme(scheme)
-    if fixtures is None and not is_v1_scheme(intended):
-        fixtures = SPEC_FIXTURES
-    if not intended.intended:
+    if (scheme is None) == (objective is None):
+        raise ValueError(
+            "verify needs the intended scheme (--scheme) or the intended multi-term objective "
+            "(--objective), one of the two"
+        )
+    intended = None if scheme is None else resolve_scheme(scheme)
+    terms = None if objective is None else resolve_objective(objective)
+    if terms is not None and model is not None:
+        problem = model_objective_problem(terms)
+        if problem:
+            raise ValueError(problem)
+    if terms is not None and "bfloat16" in (dtype, precision):
+        raise ValueError(f"--objective with bfloat16: {BF16_REFUSED}")
+    if fixtures is None:
+        if terms is not None:
+            fixtures = OBJECTIVE_FIXTURES
+        elif not is_v1_scheme(intended):
+            fixtures = SPEC_FIXTURES
+    if intended is not None and not intended.intended:
         raise ValueError(f"verify checks an intended scheme; {intended.name!r} is accidental")
     if precision != "auto" and precision not in PRECISIONS:
         raise ValueError(f"precision must be auto or one of {', '.join(PRECISIONS)}")
@@ -218,9 +248,10 @@ def verify(
     if missing:
         raise StepSetupError(missing)
     name = step_name(step)
-    jobs = jobs_for(
-        fixtures, world_sizes, accum_steps, dtype, row_fields=not is_v1_scheme(intended)
-    )
+    row_fields = intended is not None and not is_v1_scheme(intended)
+    jobs = jobs_for(fixtures, world_sizes, accum_steps, dtype, row_fields=row_fields)
+    if terms is not None and model is None:  # the fixture model family's params
+        jobs = [replace(job, objective_params=terms.param_names) for job in jobs]
     # Where the step runs: torch ranks on a device, JAX workers on a platform (docs/gpu.md); a
     # device that is not there is a set-up error (DeviceError, a ValueError).
     if run_jobs is not None:
@@ -250,14 +281,20 @@ def verify(
             if callable_name:
                 check = min(timeout_s, STEP_CHECK_TIMEOUT_S)
                 check_step(callable_name, framework, timeout_s=check, option=option)
-        reference = model_reference(
-            framework, model_name, forward_name, jobs, intended, timeout_s=timeout_s
-        )
+        if terms is not None:  # the model's own per-term gradients
+            reference = objective_model_reference(
+                framework, model_name, forward_name, jobs, terms, timeout_s=timeout_s
+            )
+        else:
+            reference = model_reference(
+                framework, model_name, forward_name, jobs, intended, timeout_s=timeout_s
+            )
         if coarsest_level((dtype, reference.dtype)) != dtype:
             # The model's forward refuses float64: the step gets it in the reference's dtype
             # (it could not run it in float64 either), and is judged at that level.
             jobs = [replace(job, dtype=reference.dtype) for job in jobs]
-            reference = reference.at_dtype(reference.dtype)
+            if terms is None:
+                reference = reference.at_dtype(reference.dtype)
     elif forward is not None:
         raise ValueError("forward is how the reference runs the user's model: give model too")
     if run_jobs is not None:  # inside a launcher's job, which placed this process itself
@@ -266,11 +303,28 @@ def verify(
         runner = importlib.import_module(FRAMEWORKS[framework])
         extra = {"model": model_name} if model_name else {}
         outputs = runner.run(name, jobs, timeout_s=timeout_s, **place, **extra)
+    if terms is not None:
+        columns = None if reference is None else reference.columns
+        return ObjectiveReport(
+            framework=framework,
+            step=name,
+            objective=terms,
+            precision=precision,
+            cases=[
+                judge_objective(
+                    job, terms, outputs.get(job, _never_reported(job)), precision, columns
+                )
+                for job in jobs
+            ],
+            model=model_name,
+            model_dtype="float64" if reference is None else reference.dtype,
+            model_refused="" if reference is None else reference.refused,
+        )
     cases = [
         judge(
             job,
             intended,
-            outputs.get(job, StepError(f"{job.describe()}: planned but never reported")),
+            outputs.get(job, _never_reported(job)),
             precision,
             reference,
             framework,
@@ -289,7 +343,11 @@ def verify(
     )
 
 
-def assert_weighting(step: str | Callable, **kwargs: Any) -> VerifyReport:
+def _never_reported(job: VerifyJob) -> StepError:
+    return StepError(f"{job.describe()}: planned but never reported")
+
+
+def assert_weighting(step: str | Callable, **kwargs: Any) -> VerifyReport | ObjectiveReport:
     """`verify(step, **kwargs)`, raising AssertionError with the diagnosis unless it matches."""
     report = verify(step, **kwargs)
     if not report.ok:

@@ -100,8 +100,43 @@ def check_repeatable(factory: Callable[[], Any], spec: str) -> None:
 def default_forward(
     apply_fn: Callable[..., Any], params: Any, microbatch: dict[str, jax.Array]
 ) -> jax.Array:
-    """``apply_fn(params, inputs)``."""
-    return apply_fn(params, microbatch["inputs"])
+    """``apply_fn(params, inputs)``; its first element when it returns ``(logits, aux_loss)``
+    (a model that adds its own auxiliary loss, `default_aux_loss`)."""
+    out = apply_fn(params, microbatch["inputs"])
+    return out[0] if isinstance(out, tuple) else out
+
+
+def default_aux_loss(
+    apply_fn: Callable[..., Any], params: Any, microbatch: dict[str, jax.Array]
+) -> jax.Array:
+    """The model's own auxiliary loss of one forward: the second element of ``apply_fn(params,
+    inputs) = (logits, aux_loss)`` (a MoE model's router load-balancing loss)."""
+    out = apply_fn(params, microbatch["inputs"])
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(
+            f"apply_fn(params, inputs) returned a {type(out).__name__}: a moe_lb term with "
+            "--model needs a model whose apply_fn returns (logits, aux_loss), its own router loss"
+        )
+    return out[1]
+
+
+def aux_gradients(
+    apply_fn: Callable[..., Any],
+    params: Any,
+    batch: Mapping[str, np.ndarray],
+    slices: list[tuple[int, int]],
+) -> list[np.ndarray]:
+    r""":math:`\nabla A(\text{rows } [a, b))` for every slice, A the model's own auxiliary loss of
+    one forward over those rows (`default_aux_loss`), flattened over the leaves in sorted path
+    order. One compiled gradient per slice length (a layout's microbatches are equal slices)."""
+    grad = jax.jit(jax.grad(lambda p, rows: default_aux_loss(apply_fn, p, rows)))
+    arrays = _arrays(batch)
+    out = []
+    for start, stop in slices:
+        grads = grad(params, {key: value[start:stop] for key, value in arrays.items()})
+        leaves = named_leaves(grads).values()
+        out.append(np.concatenate([np.asarray(leaf, np.float64).reshape(-1) for leaf in leaves]))
+    return out
 
 
 def token_losses(
@@ -215,7 +250,12 @@ def compute_reference(request: dict[str, Any]) -> dict[str, Any]:
             forward,
             [(request["fixtures"][name][0], weights) for name, weights in request["weightings"]],
         )
+        # A moe_lb term's reference: the model's own router loss per microbatch slice.
+        aux = {
+            name: aux_gradients(apply_fn, params, request["fixtures"][name][0], slices)
+            for name, slices in request.get("aux_slices", {}).items()
+        }
     except Exception as error:
         frames = "".join(traceback.format_exception(error)[-6:])
         return {"error": f"the model's reference gradient raised {error!r}\n{frames}"}
-    return {"bases": bases, "intended": intended}
+    return {"bases": bases, "intended": intended, **({"aux": aux} if aux else {})}

@@ -23,6 +23,12 @@ n the update's count of the main term, n_u a microbatch's, R ranks and M microba
   neither the global-batch nor the micro-batch balancing it meant.
 * ``aux-coefficient-twice``: the loss function returns λ_k L_k and the trainer multiplies
   by λ_k again: :math:`\lambda_k^2 L_k`.
+* ``aux-summed-over-microbatches``: DDP idiom, the target a ``moe_lb`` term of ``microbatch``
+  scope, meant as the mean over the update's R M forwards of each forward's router loss
+  :math:`E\sum_e f_{ue} P_{ue}` (:math:`P_{ue} = \sum_{t\in u}\pi_{te}/n_u`). The model returns
+  that loss and the trainer adds it at full λ_k to each microbatch's loss, multiplied by R with
+  the main loss and never divided by M (transformers' ``Trainer``): after the rank average the
+  update sums it over its R M forwards, R M times the intended term.
 
 `make_objective_bug_fn(pattern, terms, target, mesh)` returns
 ``fn(params, batch) -> grads`` (replicated). jax_impl never imports crosscheck: the
@@ -64,14 +70,32 @@ PATTERNS = (
     "aux-world-size-factor",
     "aux-global-count-local-stats",
     "aux-coefficient-twice",
+    "aux-summed-over-microbatches",
 )
 #: Steps that average gradients over ranks (DDP); the others sum them (jax_impl.objective).
-_AVERAGED = frozenset({"sibling-term-scope", "aux-world-size-factor"})
+_AVERAGED = frozenset(
+    {"sibling-term-scope", "aux-world-size-factor", "aux-summed-over-microbatches"}
+)
+#: Of those, the steps whose target rides the main loss's factor R (a per-microbatch criterion,
+#: sibling-term-scope's, knows no world size).
+_TARGET_TIMES_R = frozenset({"aux-world-size-factor", "aux-summed-over-microbatches"})
 
 
 def _gathered(mb: Batch, axis: str) -> Batch:
     """Every rank's microbatch m, rows concatenated: the whole update's accumulation step m."""
     return jax.tree.map(lambda x: lax.all_gather(x, axis, tiled=True), mb)
+
+
+def _local_balance(term, p, mb: Batch) -> tuple[jax.Array, jax.Array]:
+    """(E sum_e f_ue sum_{t in u} pi_te, n_u) from this microbatch's routing alone, as a
+    model's forward computes it: f_ue = c_ue / (k n_u) from its top-k picks (no gradient)."""
+    real = mb.segment_ids > 0
+    probs = router_probs(p, mb.inputs)
+    counts = expert_counts(lax.stop_gradient(probs)[None], real[None], term.top_k)[0]
+    n_local = jnp.maximum(jnp.sum(real), 1).astype(probs.dtype)
+    f = counts.astype(probs.dtype) / (term.top_k * n_local)  # this microbatch's f_ue
+    mass = jnp.sum(jnp.where(real[..., None], probs, 0.0), axis=(0, 1))  # sum_t pi_te
+    return probs.shape[-1] * jnp.sum(f * mass), n_local
 
 
 def _buggy_part(pattern, term, norm: _Norm, main: _Norm, p, mb, m, axis, M):
@@ -89,14 +113,12 @@ def _buggy_part(pattern, term, norm: _Norm, main: _Norm, p, mb, m, axis, M):
         # Complete on every rank: the term of the whole update's step m, global weights.
         return _term_sum(term, norm, p, _gathered(mb, axis), m)
     if pattern == "aux-global-count-local-stats":
-        real = mb.segment_ids > 0
-        probs = router_probs(p, mb.inputs)
-        counts = expert_counts(lax.stop_gradient(probs)[None], real[None], term.top_k)[0]
-        n_local = jnp.sum(real).astype(probs.dtype)
-        f = counts.astype(probs.dtype) / (term.top_k * n_local)  # this microbatch's f_ue
-        mass = jnp.sum(jnp.where(real[..., None], probs, 0.0), axis=(0, 1))  # sum_t pi_te
-        n_global = norm.count.astype(probs.dtype)  # divided like the main loss
-        return probs.shape[-1] * jnp.sum(f * mass) / n_global
+        balance, _ = _local_balance(term, p, mb)
+        return balance / norm.count.astype(balance.dtype)  # divided like the main loss
+    if pattern == "aux-summed-over-microbatches":
+        # The forward's own router loss, E sum_e f_ue P_ue: its mean over its n_u tokens.
+        balance, n_local = _local_balance(term, p, mb)
+        return balance / n_local
     if pattern == "aux-coefficient-twice":
         # The loss function already returns λ L; the caller multiplies by λ again.
         return term.coefficient * _term_sum(term, norm, p, mb, m)
@@ -108,7 +130,11 @@ def _check(pattern: str, target, main) -> None:
         raise ValueError(f"unknown pattern {pattern!r}; one of {', '.join(PATTERNS)}")
     if target is main:
         raise ValueError("the target must be an auxiliary term, not the main (first) term")
-    needs = {"shifted-aux-count": ("mtp",), "aux-global-count-local-stats": ("moe_lb",)}
+    needs = {
+        "shifted-aux-count": ("mtp",),
+        "aux-global-count-local-stats": ("moe_lb",),
+        "aux-summed-over-microbatches": ("moe_lb",),
+    }
     if pattern in needs and target.kind not in needs[pattern]:
         raise ValueError(f"{pattern} hits a {needs[pattern][0]} term, not {target.kind}")
     local_ok = target.kind != "moe_lb" and target.scope == "update"
@@ -116,6 +142,9 @@ def _check(pattern: str, target, main) -> None:
         raise ValueError("sibling-term-scope localizes a per-token term of update scope")
     if pattern in ("shifted-aux-count", "aux-world-size-factor") and target.scope != "update":
         raise ValueError(f"{pattern} is written for a target of update scope")
+    if pattern == "aux-summed-over-microbatches" and target.scope != "microbatch":
+        # Summing per-forward means is a bug only of a term meant as their mean.
+        raise ValueError(f"{pattern} is written for a target of microbatch scope")
 
 
 def make_objective_bug_fn(
@@ -148,8 +177,8 @@ def make_objective_bug_fn(
             for term, norm in zip(parsed, norms, strict=True):
                 if term is hit:
                     part = _buggy_part(pattern, term, norm, norms[0], p, mb, m, axis_name, M)
-                    # The world-size factor hits the target only in aux-world-size-factor.
-                    factor = R if pattern == "aux-world-size-factor" else 1
+                    # Only a target that rides the main loss's DDP factor gets R.
+                    factor = R if pattern in _TARGET_TIMES_R else 1
                 else:
                     part, factor = _term_sum(term, norm, p, mb, m), R if averaged else 1
                 total = total + factor * term.coefficient * part

@@ -177,12 +177,44 @@ def group_basis(
     return basis, shapes
 
 
+def default_aux_loss(model: nn.Module, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's own auxiliary loss of one forward: ``model(input_ids=inputs,
+    output_router_logits=True).aux_loss``, a Hugging Face MoE model's router load-balancing
+    loss (Switch's E sum_e f_e P_e over the forward's tokens, f a count without gradient)."""
+    out = model(input_ids=microbatch["inputs"], output_router_logits=True)
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        raise ValueError(
+            f"the model's forward returned no aux_loss ({type(out).__name__}): a moe_lb term "
+            "with --model needs a model whose forward returns its router loss (a Hugging Face "
+            "MoE model: Mixtral, Qwen-MoE, ...)"
+        )
+    return aux
+
+
+def aux_gradients(
+    model: nn.Module, batch: Mapping[str, np.ndarray], slices: list[tuple[int, int]]
+) -> list[np.ndarray]:
+    r""":math:`\nabla_\theta A(\text{rows } [a, b))` for every slice: the model's own
+    auxiliary loss of one forward over those rows (`default_aux_loss`), flattened over the
+    parameters in sorted-name order. A microbatch of a layout is such a slice of the global
+    batch (rank-major rows), so one backward per distinct slice serves every layout."""
+    params = [p for _, p in _named(model)]
+    out = []
+    for start, stop in slices:
+        aux = default_aux_loss(model, _rows(batch, slice(start, stop)))
+        out.append(_flat_grad(aux.to(torch.float64), params, retain=False))
+    return out
+
+
 def compute_reference(rank: int, world_size: int, request: dict[str, Any]) -> dict[str, Any]:
     """A ``launch`` target (one process): the reference of ``crosscheck verify --model``.
 
     `request` holds ``model`` and ``forward`` (``MODULE:NAME``, forward may be ""), ``cwd``,
-    ``fixtures`` {name: (batch arrays, group_of, units)} and ``weightings`` [(fixture, token
-    weights)]. Returns ``{"bases": {name: (B, shapes)}, "intended": [grads per weighting]}``,
+    ``fixtures`` {name: (batch arrays, group_of, units)}, ``weightings`` [(fixture, token
+    weights)] and, for a moe_lb term, ``aux_slices`` {name: [(start, stop)]}. Returns
+    ``{"bases": {name: (B, shapes)}, "intended": [grads per weighting], "aux": {name: [flat
+    gradient per slice]}}``,
     or ``{"setup_error": message}`` / ``{"error": message}``; never raises.
     """
     try:
@@ -208,10 +240,17 @@ def compute_reference(rank: int, world_size: int, request: dict[str, Any]) -> di
             intended_gradient(model, forward, request["fixtures"][name][0], weights)
             for name, weights in request["weightings"]
         ]
+        # A moe_lb term's reference: the model's own router loss per microbatch slice.
+        aux = {
+            name: aux_gradients(model, request["fixtures"][name][0], slices)
+            for name, slices in request.get("aux_slices", {}).items()
+        }
     except Exception as error:
         frames = "".join(traceback.format_exception(error)[-6:])
         return {"error": f"the model's reference gradient raised {error!r}\n{frames}"}
     out = {"bases": bases, "intended": intended, "dtype": str(dtype).removeprefix("torch.")}
+    if aux:
+        out["aux"] = aux
     if refused:
         out["refused"] = refused
     return out

@@ -22,6 +22,12 @@ coefficients, n the update's count of the term's mask, n_u a microbatch's, M mic
   as the main loss is: :math:`\sum_u E\sum_e f_{ue}\sum_{t\in u}\pi_{te} / n`.
 * ``aux-coefficient-twice``: the loss function returns λ_k L_k and the trainer multiplies by
   λ_k again: λ_k² L_k.
+* ``aux-summed-over-microbatches``: a ``moe_lb`` term of ``microbatch`` scope, meant as the
+  mean over the update's R M forwards of each forward's router loss
+  :math:`E\sum_e f_{ue} P_{ue}` (:math:`P_{ue} = \sum_{t\in u}\pi_{te} / n_u`), is the model's
+  own: each microbatch's loss gets it at full λ_k, multiplied by R with the main loss and never
+  divided by M (transformers' ``Trainer`` under ``num_items_in_batch``). After DDP's average
+  the update sums it over its R M forwards: R M times the intended term.
 
 `objective_bug_update` runs one such update; `run_objective_bug_cases` is a
 ``torch_impl.harness.launcher.launch`` target running a list of them (and the correct
@@ -74,6 +80,7 @@ PATTERNS: tuple[str, ...] = (
     "aux-world-size-factor",
     "aux-global-count-local-stats",
     "aux-coefficient-twice",
+    "aux-summed-over-microbatches",
 )
 #: The correct step, run by the same launch target for comparison.
 INTENDED = "intended"
@@ -85,7 +92,11 @@ def check_target(pattern: str, target: ObjectiveTerm, main: ObjectiveTerm) -> No
         raise ValueError(f"unknown pattern {pattern!r}; one of {', '.join(PATTERNS)}")
     if target is main:
         raise ValueError("the target must be an auxiliary term, not the main (first) term")
-    needs = {"shifted-aux-count": "mtp", "aux-global-count-local-stats": "moe_lb"}
+    needs = {
+        "shifted-aux-count": "mtp",
+        "aux-global-count-local-stats": "moe_lb",
+        "aux-summed-over-microbatches": "moe_lb",
+    }
     if pattern in needs and target.kind != needs[pattern]:
         raise ValueError(f"{pattern} hits a {needs[pattern]} term, not {target.kind}")
     if pattern == "sibling-term-scope" and (
@@ -94,6 +105,9 @@ def check_target(pattern: str, target: ObjectiveTerm, main: ObjectiveTerm) -> No
         raise ValueError("sibling-term-scope localizes a token-mean term of update scope")
     if pattern in ("shifted-aux-count", "aux-world-size-factor") and target.scope != "update":
         raise ValueError(f"{pattern} is written for a target of update scope")
+    if pattern == "aux-summed-over-microbatches" and target.scope != "microbatch":
+        # Summing per-forward means is a bug only of a term meant as their mean.
+        raise ValueError(f"{pattern} is written for a target of microbatch scope")
 
 
 def _gathered(batch: TokenBatch, group: dist.ProcessGroup | None, timeout_s: float) -> TokenBatch:
@@ -111,6 +125,20 @@ def _gathered(batch: TokenBatch, group: dist.ProcessGroup | None, timeout_s: flo
         _wait(dist.all_gather(out, x, group=group, async_op=True), timeout_s, "the aux gather")
         parts.append(torch.cat(out))
     return batch._replace(inputs=parts[0], targets=parts[1], segment_ids=parts[2])
+
+
+def _local_balance(
+    term: ObjectiveTerm, out: dict[str, torch.Tensor], batch: TokenBatch
+) -> tuple[torch.Tensor, int]:
+    """(E sum_e f_ue sum_{t in u} pi_te, n_u) from this microbatch's routing alone, as a
+    model's forward computes it: f_ue = c_ue / (k n_u) from its top-k picks (no gradient)."""
+    real = batch.segment_ids > 0
+    probs = softmax(out["router"].to(torch.float64), dim=-1)
+    counts = top_k_counts(probs.detach(), real, term.top_k).to(torch.float64)
+    n_local = max(int(real.sum()), 1)
+    f = counts / (term.top_k * n_local)  # this microbatch's f_ue
+    mass = torch.where(real.unsqueeze(-1), probs, 0.0).sum(dim=(0, 1))  # sum_t pi_te
+    return probs.shape[-1] * (f * mass).sum(), n_local
 
 
 def _buggy_part(
@@ -144,13 +172,12 @@ def _buggy_part(
             norm = norm._replace(weights={m: a})
         return _term_sum(term, norm, module(gathered.inputs, heads), gathered, m)
     if pattern == "aux-global-count-local-stats":
-        real = batch.segment_ids > 0
-        probs = softmax(out["router"].to(torch.float64), dim=-1)
-        counts = top_k_counts(probs.detach(), real, term.top_k).to(torch.float64)
-        f = counts / (term.top_k * max(int(real.sum()), 1))  # this microbatch's f_ue
-        mass = torch.where(real.unsqueeze(-1), probs, 0.0).sum(dim=(0, 1))  # sum_t pi_te
         # Divided like the main loss: by the update's token count n.
-        return probs.shape[-1] * (f * mass).sum() / norm.count
+        return _local_balance(term, out, batch)[0] / norm.count
+    if pattern == "aux-summed-over-microbatches":
+        # The forward's own router loss, E sum_e f_ue P_ue: its mean over its n_u tokens.
+        balance, n_local = _local_balance(term, out, batch)
+        return balance / n_local
     if pattern == "aux-coefficient-twice":
         # The loss function already returned λ L; the caller multiplies by λ again.
         return term.coefficient * _term_sum(term, norm, out, batch, m)

@@ -60,6 +60,7 @@ from torch_impl.harness.model_reference import ModelSetupError, fresh_model, loa
 from torch_impl.harness.rank_worker import finish_rank, write_atomic, write_pickle
 from torch_impl.harness.step_gradient import StepResultError, gradient_dtypes, read_grads
 from torch_impl.model import BilinearLM
+from torch_impl.objective import ObjectiveLM
 
 #: Error kinds of a RankOutcome, most telling first: the harness reports the first it finds.
 #: STOPPED: the watcher ended a rank that was still in the step after a peer failed.
@@ -84,6 +85,11 @@ class UserStepJob(BatchJob):
     accum_steps: int
     #: The dtype of the model handed to the step ("float64", "float32" or "bfloat16").
     dtype: str = "float64"
+    #: A multi-term objective's step (``verify --objective``): the model is the multi-term
+    #: family's ``torch_impl.objective.ObjectiveLM`` holding `params` (the ones the terms
+    #: read; a frozen reference among them gets no gradient), and the batch may hold
+    #: ``mtp_targets``, handed on in every microbatch.
+    objective: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,7 +200,7 @@ def _error_kind(error: BaseException) -> str:
 
 def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
     # The four v1 arrays, and contract v2's fields where the fixture gives them.
-    return [
+    out = [
         {
             key: getattr(batch, key)
             for key in (*BATCH_KEYS, *OPTIONAL_KEYS)
@@ -202,6 +208,14 @@ def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str
         }
         for batch in rank_microbatches(job.batch, rank, world_size, job.accum_steps)
     ]
+    shifted = job.batch.get("mtp_targets")
+    if shifted is not None:  # the same rows as every other array: B of them per microbatch
+        rows = len(shifted) // (world_size * job.accum_steps)
+        for m, microbatch in enumerate(out):
+            first = (rank * job.accum_steps + m) * rows
+            part = shifted[first : first + rows]
+            microbatch["mtp_targets"] = torch.tensor(part, dtype=torch.long)
+    return out
 
 
 def run_job(
@@ -220,11 +234,14 @@ def run_job(
         def new_model() -> nn.Module:
             if user_model is not None:
                 return user_model(dtype)
+            if job.objective:
+                return ObjectiveLM(job.params, dtype)
             return BilinearLM.from_numpy(job.params, dtype)
 
         first = new_model()
         params = job.params
-        if user_model is not None:  # the initial weights, by name, for reading the update
+        named = user_model is not None or job.objective  # read by name, frozen ones left out
+        if named:  # the initial weights, by name, for reading the update
             # A copy: a float64 parameter's numpy view would follow the optimizer's update.
             params = {
                 n: p.detach().to(torch.float64).numpy().copy()
@@ -263,7 +280,7 @@ def run_job(
             )
         model = returned
     try:
-        grads = read_grads(model, params, optimizer, full_names=user_model is not None)
+        grads = read_grads(model, params, optimizer, full_names=named)
         return RankOutcome(
             rank,
             grads,

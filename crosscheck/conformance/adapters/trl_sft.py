@@ -10,8 +10,9 @@ clipping off), with TRL's own ``SFTConfig``, collator (``DataCollatorForLanguage
   count over every rank, ``transformers/trainer.py`` L2306-2360), or by the microbatch's own
   ``label_mask.sum()`` without it;
 * L1623-1624: times ``num_processes`` when tokens are averaged across devices (DDP averages);
-* L1625-1629: a MoE model's router aux loss is added divided by the accumulation steps (a
-  second term: judged once verify takes multi-term objectives).
+* L1625-1629: a MoE model's router aux loss is added divided by the accumulation steps, after
+  the x ``num_processes``: the mean over the update's forwards (a second term, judged against
+  a multi-term objective: setting ``sft-moe-aux``).
 
 What the docs promise (``trl/trainer/sft_config.py`` L107-113): ``"nll"``: "standard negative
 log-likelihood"; ``"dft"``: "Dynamic Fine-Tuning" (arXiv 2508.05629), each token's loss
