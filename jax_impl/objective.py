@@ -9,25 +9,25 @@ default, ``rank`` or ``microbatch``); ``moe_lb`` is Switch load balancing with p
 counts c_ue of the top-k router picks, a_t = 1 on real tokens, l_t = sum_e c_ue π_te and
 D_u = k n_u^2 / E, at ``update`` or ``microbatch`` scope.
 
-Every rank holds its [M, B, T] block. First, before any backward, everything a weight needs:
-each term's mask counts and the router's expert counts (a forward of the router without
-gradient) are reduced by one ``psum`` where the unit spans ranks, so the counts that scale
-each token are the global ones (an update-scope moe_lb built from the local counts would be
-the microbatch-scope objective of another layout). Then each microbatch's
+Every rank holds its [M, B, T] block. First, before any backward, everything a weight needs.
+A per-token term is its scheme spec read by `jax_impl.accumulate.rank_plan`, the same reading
+as a single-term update, with the term's mask as the spec's ``valid`` mask (v'_t for mtp):
+a_t and 1 / (K D_u) for every microbatch, any spec of docs/schemes-as-data.md, the group and
+document counts that cross microbatches and ranks included (one ``psum`` of the count
+vectors and D's channels per term). moe_lb's expert counts come from a forward of the router
+without gradient, reduced by one ``psum`` where the unit spans ranks, so the counts that
+scale each token are the global ones (an update-scope moe_lb built from the local counts
+would be the microbatch-scope objective of another layout). Then each microbatch's
 sum_k λ_k (sum_t a_t l_t) / D_u / K is differentiated, the gradients are summed over the
 microbatches and ``psum``'d over ranks. The counts are constants of the backward: no gradient
 flows through a count (f in Switch's f · P). The frozen reference (``ref_embed``,
 ``ref_unembed``) is read, never differentiated.
-
-Only the token-count schemes are computed here (a spec of ``{}`` or ``{"scope": U}``, or its
-full dict form with the defaults written out); other scheme specs are refused with a
-ValueError rather than computed wrongly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import jax
@@ -36,9 +36,12 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jax_impl.accumulate import Collective, Strategy, rank_plan
 from jax_impl.batch import IGNORE_INDEX, Batch
 from jax_impl.model import Params
 from jax_impl.shard_map_step import rank_varying, replicate, shard_batch
+from jax_impl.spec import SchemeSpec, parse_spec
+from jax_impl.spec_counts import masks, token_mask
 
 PER_TOKEN_KINDS = ("ce", "z_loss", "entropy", "ref_kl", "mtp")
 KINDS = (*PER_TOKEN_KINDS, "moe_lb")
@@ -49,47 +52,40 @@ HEAD = {"mtp": "mtp_unembed", "moe_lb": "router"}  # every other kind reads "une
 
 @dataclass(frozen=True)
 class ObjectiveTerm:
-    """One term λ L, read from its dict by `parse_terms`."""
+    """One term λ L, read from its dict by `parse_terms`: a per-token kind with its scheme
+    spec, or moe_lb with its scope and top_k."""
 
     name: str
     kind: str
     coefficient: float
     scope: str
     top_k: int = 0
+    spec: SchemeSpec | None = None
 
 
-#: The keys of a term's dict, and the defaults of the scheme spec this module computes: a
-#: spec may write them out (a spec's full dict form), but any other value is refused.
 _TERM_KEYS = {"kind", "coefficient", "scheme", "scope", "top_k", "name"}
-_TOKEN_COUNT_SPEC = {
-    "weight": {"mask": "valid", "soft": "none", "group": "none", "alpha": 1.0},
-    "denominator": {"kind": "tokens", "group": "none", "mask": "valid", "alpha": 1.0},
-}
 
 
-def _token_count_scope(name: str, scheme: Mapping[str, Any]) -> str:
-    """The scope of a token-count spec ({} or {"scope": U}, defaults written out or not)."""
-    why = None
-    for part, defaults in _TOKEN_COUNT_SPEC.items():
-        given = dict(scheme.get(part) or {})
-        given.pop("count_scope", None)  # no group: no count, whatever its scope
-        if given.get("value") is None:
-            given.pop("value", None)
-        if any(defaults.get(k, object()) != v for k, v in given.items()):
-            why = f"{part} {given}"
-    if set(scheme) - {"weight", "denominator", "scope", "name"}:
-        why = f"keys {sorted(scheme)}"
-    scope = scheme.get("scope", "update")
-    if why or scope not in ("update", "rank", "microbatch"):
+def _term_spec(name: str, data: Mapping[str, Any]) -> SchemeSpec:
+    """A per-token term's scheme spec ({} = token_mean over the term's mask)."""
+    if "scope" in data or "top_k" in data:
+        # The scheme's own "scope" says it: two places to say it could disagree.
         raise ValueError(
-            f"term {name!r}: jax_impl.objective computes token-count schemes "
-            f"(a_t = v_t over the token count of scope U), got {why or f'scope {scope!r}'}"
+            f"term {name!r}: scope and top_k are moe_lb's; a {data['kind']} term's scope is "
+            "its scheme's 'scope'"
         )
-    return scope
+    scheme = data.get("scheme") or {}
+    if not isinstance(scheme, Mapping):
+        raise ValueError(f"term {name!r}: scheme must be a scheme-spec dict, got {scheme!r}")
+    try:
+        # "name" labels a spec and takes no part in the math.
+        return parse_spec({k: v for k, v in scheme.items() if k != "name"})
+    except ValueError as exc:
+        raise ValueError(f"term {name!r}: {exc}") from None
 
 
 def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]:
-    """The terms of an objective, each checked; a spec this module does not compute is refused."""
+    """The terms of an objective, each checked (a spec by `jax_impl.spec.parse_spec`)."""
     parsed = []
     for data in terms:
         kind = data.get("kind")
@@ -110,9 +106,12 @@ def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]
                     f"term {name!r}: moe_lb needs a positive top_k and an update or "
                     f"microbatch scope, got top_k={top_k!r}, scope={scope!r}"
                 )
+            if data.get("scheme"):
+                raise ValueError(f"term {name!r}: moe_lb has its own form and takes no scheme")
+            parsed.append(ObjectiveTerm(name, kind, float(coefficient), scope, top_k))
         else:
-            scope, top_k = _token_count_scope(name, data.get("scheme") or {}), 0
-        parsed.append(ObjectiveTerm(name, kind, float(coefficient), scope, top_k))
+            spec = _term_spec(name, data)
+            parsed.append(ObjectiveTerm(name, kind, float(coefficient), spec.scope, spec=spec))
     if len({t.name for t in parsed}) != len(parsed):
         raise ValueError(f"term names must be unique, got {[t.name for t in parsed]}")
     return tuple(parsed)
@@ -189,10 +188,12 @@ def expert_counts(probs: jax.Array, real: jax.Array, top_k: int) -> jax.Array:
 
 
 class _Norm(NamedTuple):
-    """A term's constants for the backward: 1 / (D_u K) per microbatch [M] and, for moe_lb,
-    the expert counts g [M, E] that multiply π_t; plus what is reported."""
+    """A term's constants for the backward: 1 / (D_u K) per microbatch [M], and a_t [M, B, T]
+    (per-token kinds) or the expert counts g [M, E] that multiply π_t (moe_lb); plus what is
+    reported."""
 
     scale: jax.Array
+    weights: jax.Array | None
     counts: jax.Array | None
     denominators: jax.Array
     count: jax.Array
@@ -204,45 +205,82 @@ def _gather(x: jax.Array, axis: str, world_size: int) -> jax.Array:
     return lax.psum(slots.at[lax.axis_index(axis)].set(x), axis)
 
 
-def _precount(term, params, batch: Batch, axis: str, world_size: int, dtype) -> _Norm:
-    """The term's counts, reduced where its unit spans ranks, before any backward."""
-    mask = _term_mask(term, batch.targets, batch.segment_ids)
-    local = jnp.sum(mask, axis=(1, 2), dtype=jnp.int32)  # per microbatch [M]
+def _reported(denominators: jax.Array, scope: str, axis: str, world_size: int) -> jax.Array:
+    """D_u of every unit of the scope, rank-major: [1], [R] or [R M]."""
+    if scope == "update":
+        return jnp.reshape(denominators, (1,))
+    gathered = _gather(denominators, axis, world_size)  # [R] or [R, M]
+    return gathered.reshape(-1)
+
+
+def _router_norm(term, params, batch: Batch, axis: str, world_size: int, dtype) -> _Norm:
+    """moe_lb's expert counts and D_u = k n_u^2 / E, reduced where the unit spans ranks."""
+    real = batch.segment_ids > 0  # padding is not routed
+    local = jnp.sum(real, axis=(1, 2), dtype=jnp.int32)  # per microbatch [M]
     M = local.shape[0]
     count = lax.psum(jnp.sum(local), axis)
-    scope = term.scope
-    counts = None
-    if term.kind == "moe_lb":
-        probs = lax.stop_gradient(router_probs(params, batch.inputs))
-        counts = expert_counts(probs, mask, term.top_k)
-        E = probs.shape[-1]
-        if scope == "update":
-            counts = jnp.broadcast_to(lax.psum(jnp.sum(counts, axis=0), axis), counts.shape)
-            n = count.astype(dtype)
-        else:
-            n = local.astype(dtype)
-        denominators = term.top_k * n * n / E
-    elif scope == "update":
-        denominators = count.astype(dtype)
-    elif scope == "rank":
-        denominators = jnp.sum(local).astype(dtype)
+    probs = lax.stop_gradient(router_probs(params, batch.inputs))
+    counts = expert_counts(probs, real, term.top_k)
+    E = probs.shape[-1]
+    if term.scope == "update":
+        counts = jnp.broadcast_to(lax.psum(jnp.sum(counts, axis=0), axis), counts.shape)
+        n = count.astype(dtype)
     else:
-        denominators = local.astype(dtype)
-    units = {"update": 1, "rank": world_size, "microbatch": world_size * M}[scope]
+        n = local.astype(dtype)
+    denominators = term.top_k * n * n / E
+    units = world_size * M if term.scope == "microbatch" else 1
     # A unit with D_u = 0 has no token of weight: it contributes 0, never 0/0.
     safe = jnp.where(denominators > 0, denominators, 1)
     scale = jnp.broadcast_to(jnp.where(denominators > 0, 1 / safe / units, 0), (M,))
-    reported = denominators[None] if scope == "update" else _gather(denominators, axis, world_size)
-    return _Norm(scale, counts, reported.reshape(-1), count)
+    reported = _reported(denominators, term.scope, axis, world_size)
+    return _Norm(scale, None, counts, reported, count)
 
 
-def _term_sum(term: ObjectiveTerm, norm: _Norm, params: Params, mb: Batch, m: int):
-    """sum_{t in microbatch m} a_t l_t / D_u / K of one term."""
+def term_batch(term: ObjectiveTerm, batch: Batch) -> Batch:
+    """The batch whose ``valid`` mask is the term's mask: y' as the targets for mtp."""
+    if term.kind == "mtp":
+        return replace(batch, targets=mtp_targets(batch.targets, batch.segment_ids))
+    return batch
+
+
+def _precount(term, params, batch: Batch, axis: str, world_size: int, dtype) -> _Norm:
+    """The term's weights and counts, reduced where its unit spans ranks, before any backward.
+
+    A per-token term's spec is read by `rank_plan` (precount, summed gradients: s = 1), so
+    its scale per microbatch is 1 / (K D_u)."""
+    if term.kind == "moe_lb":
+        return _router_norm(term, params, batch, axis, world_size, dtype)
+    own = term_batch(term, batch)
+    plan = rank_plan(term.spec, own, axis, Strategy.PRECOUNT, Collective.PSUM)
+    numerator_mask = token_mask(term.spec.weight.mask, masks(own))
+    count = lax.psum(jnp.sum(numerator_mask, dtype=jnp.int32), axis)
+    # D per rank (U = rank) is broadcast over the rank's microbatches: one value per unit.
+    local = plan.denominator[0] if term.spec.scope == "rank" else plan.denominator
+    return _Norm(
+        plan.grad_scale.astype(dtype),
+        plan.token_weights.astype(dtype),
+        None,
+        _reported(local, term.spec.scope, axis, world_size),
+        count,
+    )
+
+
+def _term_sum(
+    term: ObjectiveTerm,
+    norm: _Norm,
+    params: Params,
+    mb: Batch,
+    m: int,
+    weights: jax.Array | None = None,
+):
+    """sum_{t in microbatch m} a_t l_t / D_u / K of one term; `weights`: a_t of `mb` when it
+    is not this rank's microbatch m (a step that gathered every rank's rows)."""
     if term.kind == "moe_lb":
         losses = router_probs(params, mb.inputs) @ norm.counts[m].astype(params["router"].dtype)
         losses = jnp.where(mb.segment_ids > 0, losses, 0.0)
     else:
         losses = token_losses(term, params, mb.inputs, mb.targets, mb.segment_ids)
+        losses = losses * (norm.weights[m] if weights is None else weights)
     return jnp.sum(losses) * norm.scale[m]
 
 

@@ -2,8 +2,9 @@
 
 x64 is global to a process and the mesh needs 8 host devices, so the JAX side runs in its own
 process: this file run as a script (`python tests/test_jax_objective.py --out F`) computes the
-objective at every layout and pickles the results; the test compares them with
-`crosscheck.contract.objective` computed here.
+objective at every layout, and the terms grouped by prompt group and document
+(`GROUPED_TERMS`) on the fixtures whose groups and documents cross ranks, and pickles the
+results; the test compares them with `crosscheck.contract.objective` computed here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 from child_env import jax_env, run_script
-from test_objective_oracle import TOP_K, make_params
+from test_objective_oracle import GROUPED_FIXTURES, GROUPED_TERMS, TOP_K, make_params
 
 from crosscheck.contract.objective import objective_loss_and_grad
 from crosscheck.contract.spec import get_spec
@@ -28,6 +29,9 @@ from jax_impl.objective import parse_terms
 RTOL = 1e-12
 RANK_MEAN = get_spec("rank_mean").to_dict()
 LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
+#: Groups and documents split over microbatches (R = 1), and over ranks too: one compile per
+#: layout serves both fixtures (their id ranges are laid out to the same static size).
+GROUPED_LAYOUTS = [(1, 2), (2, 2), (4, 2)]
 TERMS = [
     {"kind": "ce"},
     {"kind": "z_loss", "coefficient": 1e-2},
@@ -60,6 +64,19 @@ def jax_results() -> dict:
         batch = lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
         out = make_objective_fn(TERMS, data_mesh(R))(params, batch)
         results[R, M] = jax.tree.map(np.asarray, out._asdict())
+    grouped = [builtin_fixture(name) for name in GROUPED_FIXTURES]
+    fields = ("group_ids", "document_ids", "row_weights", "sample_mask")
+    sizes = {
+        "num_groups": max(int(f.group_ids.max()) + 1 for f in grouped),
+        "num_documents": max(int(f.document_ids.max()) + 1 for f in grouped),
+    }
+    for R, M in GROUPED_LAYOUTS:
+        objective = make_objective_fn(GROUPED_TERMS, data_mesh(R))
+        for fixture in grouped:
+            arrays = {k: getattr(fixture, k) for k in (*arrays, *fields)}
+            batch = lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size, **sizes)
+            out = objective(make_params(fixture.vocab_size), batch)
+            results[fixture.name, R, M] = jax.tree.map(np.asarray, out._asdict())
     return results
 
 
@@ -98,6 +115,26 @@ def term_loss(results: dict, layout: tuple[int, int], name: str) -> float:
     return float(results[layout]["term_losses"][names.index(name)])
 
 
+@pytest.mark.parametrize("fixture_name", GROUPED_FIXTURES)
+@pytest.mark.parametrize(("R", "M"), GROUPED_LAYOUTS)
+def test_group_and_document_terms_match_the_oracle(results, R, M, fixture_name):
+    """Prompt groups (rollouts) and documents (continued-documents) cross microbatches and
+    ranks: each term's counts are the update's, reduced before the backward."""
+    fixture = builtin_fixture(fixture_name)
+    expected = objective_loss_and_grad(
+        make_params(fixture.vocab_size), fixture.layout(R, M), GROUPED_TERMS
+    )
+    got = results[fixture_name, R, M]
+    for key, g in expected.grads.items():
+        assert rel_err(got["grads"][key], g) <= RTOL, key
+    assert abs(float(got["loss"]) - expected.loss) <= RTOL * abs(expected.loss)
+    for k, term in enumerate(expected.terms):
+        assert abs(got["term_losses"][k] - term.loss) <= RTOL * abs(term.loss), term.name
+        assert int(got["term_counts"][k]) == term.count, term.name
+        # Counts exact; weight and power sums are float sums in another order: a few ulps.
+        np.testing.assert_allclose(got["term_denominators"][k], term.denominators, rtol=1e-14)
+
+
 def test_microbatch_scope_moe_lb_differs_across_layouts_in_jax_too(results):
     local = [term_loss(results, layout, "moe_lb_local") for layout in ((1, 1), (4, 2))]
     assert abs(local[0] - local[1]) >= 1e-4 * local[0]
@@ -108,15 +145,18 @@ def test_microbatch_scope_moe_lb_differs_across_layouts_in_jax_too(results):
 @pytest.mark.parametrize(
     ("term", "message"),
     [
-        ({"kind": "ce", "scheme": get_spec("sequence_mean").to_dict()}, "token-count schemes"),
-        ({"kind": "ce", "scheme": {"denominator": {"kind": "one"}}}, "token-count schemes"),
-        ({"kind": "ce", "scheme": {"scope": "everywhere"}}, "token-count schemes"),
+        ({"kind": "ce", "scheme": {"scope": "everywhere"}}, "'ce'.*allowed values"),
+        ({"kind": "ce", "scheme": {"weight": {"group": "team"}}}, "allowed values"),
+        ({"kind": "ce", "scheme": {"weight": {"sign": 1}}}, "unknown key"),
+        ({"kind": "ce", "scheme": "token_mean"}, "scheme-spec dict"),
+        ({"kind": "ce", "scope": "microbatch"}, "scheme's 'scope'"),
         ({"kind": "ce", "coefficient": True}, "not a number"),
         ({"kind": "moe_lb"}, "positive top_k"),
+        ({"kind": "moe_lb", "top_k": 2, "scheme": {"scope": "rank"}}, "takes no scheme"),
         ({"kind": "ce", "top_k": 2, "typo": 1}, "unknown keys"),
     ],
 )
-def test_jax_refuses_terms_it_does_not_compute(term, message):
+def test_jax_refuses_bad_terms(term, message):
     with pytest.raises(ValueError, match=message):
         parse_terms([term])
     scopes = [t.scope for t in parse_terms([{"kind": "ce", "scheme": RANK_MEAN}, {"kind": "mtp"}])]

@@ -342,6 +342,49 @@ SPEC_TERMS = [
 ]
 
 
+#: Per-token terms whose groups are prompt groups or documents that cross rows, microbatches
+#: and ranks on GROUPED_FIXTURES (and length powers, token weights): the torch and JAX objective
+#: tests hold their implementations to the oracle with these.
+GROUPED_TERMS = [
+    {"kind": "ce", "scheme": get_spec("group_token_mean").to_dict()},
+    {"kind": "entropy", "coefficient": -0.5, "scheme": get_spec("document_mean").to_dict()},
+    {"kind": "mtp", "coefficient": 0.4, "scheme": get_spec("document_mean").to_dict()},
+    # The groups' token means over the groups present in each microbatch: local D_u.
+    {
+        "kind": "z_loss",
+        "coefficient": 0.05,
+        "scheme": get_spec("group_token_mean").to_dict() | {"scope": "microbatch"},
+    },
+    {"kind": "ref_kl", "coefficient": 0.5, "scheme": get_spec("length_power:0.5").to_dict()},
+    {
+        "kind": "ce",
+        "name": "ce_weighted",
+        "coefficient": 0.2,
+        "scheme": get_spec("weighted_mean").to_dict(),
+    },
+]
+GROUPED_FIXTURES = ("rollouts", "continued-documents")
+
+
+@pytest.mark.parametrize("fixture_name", GROUPED_FIXTURES)
+def test_grouped_terms_count_across_ranks_on_their_fixtures(fixture_name):
+    """A group or document count taken per microbatch changes the objective there, so the
+    implementations' agreement with the oracle on these fixtures tests the global counts."""
+    fixture = builtin_fixture(fixture_name)
+    params = make_params(fixture.vocab_size)
+    local = [
+        dict(
+            t,
+            scheme=t["scheme"] | {"weight": t["scheme"]["weight"] | {"count_scope": "microbatch"}},
+        )
+        for t in GROUPED_TERMS
+    ]
+    batch = fixture.layout(4, 2)
+    intended = objective_loss_and_grad(params, batch, GROUPED_TERMS).grads["unembed"]
+    miscounted = objective_loss_and_grad(params, batch, local).grads["unembed"]
+    assert np.abs(miscounted - intended).max() >= 1e-3 * np.abs(intended).max()
+
+
 @pytest.fixture(scope="module")
 def rollouts():
     fixture = builtin_fixture("rollouts")  # groups across ranks, a sample mask, signed weights

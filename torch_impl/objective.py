@@ -9,12 +9,16 @@ reference that only ``ref_kl`` reads, and no gradient reaches.
 
 One update on rank r, holding M microbatches of its rows (`objective_update`):
 
-1. Count pre-pass, before any backward: for every term and microbatch m the mask count and
-   d_m (`objective_terms.token_weights`), and for ``moe_lb`` the router's top-k expert counts
-   c_me from a forward without gradient. One all-reduce of an int64 vector with one slot per
-   rank hands every rank every rank's counts, exactly (a SUM adds only zeros to each slot).
-   From them each term's D_u: the sum of d over the unit; for ``moe_lb`` D_u = k n_u^2 / E
-   and the counts g_u = c_u (summed over the whole update at ``update`` scope, one
+1. Count pre-pass, before any backward. A per-token term is its scheme spec seen through
+   `torch_impl.spec_counts.SpecView`, the same reading as a single-term update, over the
+   microbatches with the term's targets (y', so v'_t, for mtp): any spec, the group and
+   document counts that cross microbatches and ranks included. ``moe_lb`` counts the router's
+   top-k experts c_me from a forward without gradient. One float64 all-reduce carries what
+   every term needs from the other ranks: each spec's per-id count vectors and its share of
+   an additive D (summed), and each term's per-microbatch counts in this rank's slot (a SUM
+   adds only zeros to each slot, so every rank gets every rank's counts, exactly: integers
+   below 2^53). From them each term's a_t and D_u; for ``moe_lb`` D_u = k n_u^2 / E and the
+   counts g_u = c_u (summed over the whole update at ``update`` scope, one
    (rank, microbatch)'s own at ``microbatch`` scope). An update-scope moe_lb built from local
    counts would be the microbatch-scope objective of another layout.
 2. Each microbatch backpropagates s sum_k λ_k (sum_{t in m} a_t l_t) / (D_u K) with
@@ -22,9 +26,10 @@ One update on rank r, holding M microbatches of its rows (`objective_update`):
    gradient of total. The first M - 1 backwards run under ``no_sync`` and only accumulate
    locally; the last one all-reduces. ``moe_lb``'s l_t = sum_e g_ue π_te: the counts are
    constants, so the gradient flows through P only (Switch's f · P).
-3. One float64 all-reduce of every rank's per-term sums gives each L_k for the update log.
+3. One float64 all-reduce of every rank's per-term sums gives each L_k for the update log,
+   and every rank's D_u of the terms normalized per rank or per microbatch.
 
-Every count is an integer (int64, exact), every scale 1 / (D_u K) float64; only the model's
+Every count is an integer (exact), every weight and scale float64; only the model's
 forward and backward run in its dtype. Each wait on a collective is bounded: the pre-check's
 and this module's by `timeout_s`, DDP's gradient all-reduce by the process group's timeout.
 """
@@ -43,7 +48,7 @@ from torch import nn
 from torch.nn.functional import softmax
 from torch.nn.parallel import DistributedDataParallel
 
-from torch_impl.batch import IGNORE_INDEX, TokenBatch
+from torch_impl.batch import TokenBatch
 from torch_impl.guards import PRECHECK_TIMEOUT_S, NonFiniteError, precheck
 from torch_impl.objective_terms import (
     HEAD,
@@ -51,10 +56,10 @@ from torch_impl.objective_terms import (
     parse_terms,
     term_targets,
     token_losses,
-    token_weights,
     top_k_counts,
 )
-from torch_impl.update import sync_context
+from torch_impl.spec_counts import SpecView, token_mask
+from torch_impl.update import plan_update, spec_view, sync_context
 
 TRAINED_PARAMS: tuple[str, ...] = ("embed", "unembed", "mtp_unembed", "router")
 FROZEN_PARAMS: tuple[str, ...] = ("ref_embed", "ref_unembed")
@@ -139,14 +144,19 @@ class ObjectiveLog(NamedTuple):
 
 
 class _Norm(NamedTuple):
-    """A term's constants for the backward: 1 / (D_u K) per local microbatch [M], a_t per
-    microbatch (None for moe_lb) and moe_lb's expert counts g [M, E]; plus what is logged."""
+    """A term's constants for the backward: a scale per local microbatch [M], a_t per
+    microbatch (None for moe_lb) and moe_lb's expert counts g [M, E]; plus what is logged.
+
+    Update scope: a_t and 1 / D. Rank or microbatch scope: a_t / D_u and 1 / K."""
 
     scales: list[float]
     weights: list[torch.Tensor] | None
     expert_counts: torch.Tensor | None
     count: int
+    #: D_u of every unit, rank-major; for a per-token term of rank or microbatch scope only
+    #: this rank's (`local_units`), gathered with the term-loss log.
     denominators: tuple[float, ...]
+    local_units: bool = False
 
 
 def _wait(work: Any, timeout_s: float, what: str) -> None:
@@ -156,77 +166,130 @@ def _wait(work: Any, timeout_s: float, what: str) -> None:
         raise TimeoutError(f"{what}: not every rank arrived within {timeout_s:g} s") from exc
 
 
-def _gather_int64(
-    local: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float
+def _all_reduce_sum(
+    payload: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float, what: str
 ) -> torch.Tensor:
-    """Every rank's int64 vector `local`, [R, len]: one SUM all-reduce of one slot per rank."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return local.unsqueeze(0)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    slots = torch.zeros(world_size, local.numel(), dtype=torch.int64)
-    slots[rank] = local
-    work = dist.all_reduce(slots, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    _wait(work, timeout_s, "the count pre-pass")
+    """SUM over the ranks (the payload itself without a process group); a bounded wait."""
+    if dist.is_available() and dist.is_initialized() and payload.numel():
+        _wait(
+            dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            timeout_s,
+            what,
+        )
+    return payload
+
+
+def _slots(local: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """[R, len]: `local` in row `rank`, zeros elsewhere; summed over ranks, every rank's."""
+    slots = torch.zeros(world_size, local.numel(), dtype=torch.float64)
+    slots[rank] = local.to(torch.float64)
     return slots
 
 
+def _term_view(
+    term: ObjectiveTerm,
+    microbatches: Sequence[TokenBatch],
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+) -> SpecView:
+    """The term's spec over the microbatches with the term's targets (its mask as ``valid``)."""
+    own = [
+        b._replace(targets=term_targets(term.kind, b.targets, b.segment_ids)) for b in microbatches
+    ]
+    return spec_view(term.spec, own, group=group, timeout_s=timeout_s)
+
+
 def _local_counts(
-    module: nn.Module, microbatches: Sequence[TokenBatch], terms: Sequence[ObjectiveTerm]
-) -> tuple[list[list[torch.Tensor] | None], list[torch.Tensor]]:
-    """Per term: a_t per microbatch (per-token kinds), and the int64 counts of every
-    microbatch, flattened: [M, 2] (mask count, d_m) or, for moe_lb, [M, 1 + E] (n_m, c_me)."""
-    weights, counts = [], []
-    for term in terms:
-        rows = []
-        if term.kind == "moe_lb":
-            term_weights = None
-            for batch in microbatches:
-                real = batch.segment_ids > 0  # padding is not routed
-                with torch.no_grad():
-                    probs = softmax(module(batch.inputs, ("router",))["router"].double(), -1)
-                expert = top_k_counts(probs, real, term.top_k)
-                rows.append(torch.cat([real.sum().reshape(1), expert]))
-        else:
-            term_weights = []
-            for batch in microbatches:
-                mask = term_targets(term.kind, batch.targets, batch.segment_ids) != IGNORE_INDEX
-                a, d = token_weights(term.group, mask, batch.segment_ids)
-                term_weights.append(a)
-                rows.append(torch.tensor([int(mask.sum()), d]))
-        weights.append(term_weights)
-        counts.append(torch.stack(rows).to(torch.int64))
-    return weights, counts
+    module: nn.Module,
+    view: SpecView | None,
+    term: ObjectiveTerm,
+    microbatches: Sequence[TokenBatch],
+) -> torch.Tensor:
+    """The term's int64 counts of every microbatch: [M, 1] (the numerator mask's tokens) or,
+    for moe_lb, [M, 1 + E] (real tokens n_m, expert counts c_me)."""
+    if view is not None:
+        mask = term.spec.weight.mask
+        return torch.tensor([[int(token_mask(b, mask).sum())] for b in view.microbatches])
+    rows = []
+    for batch in microbatches:
+        real = batch.segment_ids > 0  # padding is not routed
+        with torch.no_grad():
+            probs = softmax(module(batch.inputs, ("router",))["router"].double(), -1)
+        rows.append(torch.cat([real.sum().reshape(1), top_k_counts(probs, real, term.top_k)]))
+    return torch.stack(rows).to(torch.int64)
 
 
-def _norm(
-    term: ObjectiveTerm, weights: list[torch.Tensor] | None, counts: torch.Tensor, rank: int
-) -> _Norm:
-    """A term's scales from every rank's counts `counts` [R, M, width]."""
-    R, M = counts.shape[:2]
-    if term.kind == "moe_lb":
-        E = counts.shape[-1] - 1
-        n, c = counts[..., 0], counts[..., 1:]
-        if term.scope == "update":
-            n, c = n.sum().reshape(1, 1), c.sum(dim=(0, 1), keepdim=True)
-        units = [term.top_k * float(x) ** 2 / E for x in n.flatten().tolist()]
-        g = c.expand(R, M, E)[rank].to(torch.float64)
-    else:
-        d = counts[..., 1]
-        g = None
-        by_scope = {
-            "update": d.sum().reshape(1, 1),
-            "rank": d.sum(dim=1, keepdim=True),
-            "microbatch": d,
-        }
-        n = by_scope[term.scope]
-        units = [float(x) for x in n.flatten().tolist()]
+def _router_norm(term: ObjectiveTerm, counts: torch.Tensor, rank: int) -> _Norm:
+    """moe_lb's scales from every rank's counts [R, M, 1 + E]."""
+    R, M, width = counts.shape
+    E = width - 1
+    n, c = counts[..., 0], counts[..., 1:]
+    if term.scope == "update":
+        n, c = n.sum().reshape(1, 1), c.sum(dim=(0, 1), keepdim=True)
+    units = [term.top_k * float(x) ** 2 / E for x in n.flatten().tolist()]
     K = len(units)
     # Unit of each (rank, microbatch) in rank-major order; a unit with D_u = 0 has no token
     # of weight and contributes 0, never 0/0.
-    grid = np.asarray(units, dtype=np.float64).reshape(n.shape)
-    grid = np.broadcast_to(grid, (R, M))[rank]
+    grid = np.broadcast_to(np.asarray(units, dtype=np.float64).reshape(n.shape), (R, M))[rank]
     scales = [0.0 if D == 0 else 1.0 / D / K for D in grid.tolist()]
-    return _Norm(scales, weights, g, int(counts[..., 0].sum()), tuple(units))
+    g = c.expand(R, M, E)[rank].to(torch.float64)
+    return _Norm(scales, None, g, int(counts[..., 0].sum()), tuple(units))
+
+
+def _spec_norm(
+    term: ObjectiveTerm, view: SpecView, prepass: torch.Tensor, shares: torch.Tensor, count: int
+) -> _Norm:
+    """A per-token term's weights from its summed pre-pass vectors and every rank's share of
+    an additive D (`torch_impl.update.plan_update`, as a single-term update)."""
+    plan = plan_update(view, view.split_prepass(prepass))
+    M = len(view.microbatches)
+    if term.spec.scope == "update":
+        D = plan.denominator(shares.tolist())
+        return _Norm([0.0 if D == 0 else 1.0 / D] * M, plan.weights, None, count, (D,))
+    # a_t / D_u already; K units of the scope.
+    K = plan.denominator([])
+    return _Norm([1.0 / K] * M, plan.weights, None, count, plan.unit_denominators, True)
+
+
+def count_prepass(
+    module: nn.Module,
+    microbatches: Sequence[TokenBatch],
+    parsed: Sequence[ObjectiveTerm],
+    rank: int,
+    world_size: int,
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+) -> list[_Norm]:
+    """Every term's weights and denominators, from this rank's counts and one float64
+    all-reduce over the ranks (module docstring, step 1), before any backward."""
+    views = [
+        None if t.kind == "moe_lb" else _term_view(t, microbatches, group, timeout_s)
+        for t in parsed
+    ]
+    counts = [_local_counts(module, v, t, microbatches) for t, v in zip(parsed, views, strict=True)]
+    prepass = [
+        torch.zeros(0, dtype=torch.float64) if v is None else v.local_prepass() for v in views
+    ]
+    shares = [
+        torch.tensor([0.0 if v is None else v.update_share()], dtype=torch.float64) for v in views
+    ]
+    # Per term, in this rank's slot: its counts, then its share of D.
+    local = torch.cat(
+        [torch.cat([c.flatten().to(torch.float64), s]) for c, s in zip(counts, shares, strict=True)]
+    )
+    payload = torch.cat([_slots(local, rank, world_size).flatten(), *prepass])
+    payload = _all_reduce_sum(payload, group, timeout_s, "the count pre-pass")
+    slots = payload[: world_size * local.numel()].view(world_size, -1)
+    summed = payload[world_size * local.numel() :].split([p.numel() for p in prepass])
+    blocks = slots.split([c.numel() + 1 for c in counts], dim=1)
+    norms = []
+    for term, view, c, block, vector in zip(parsed, views, counts, blocks, summed, strict=True):
+        every = block[:, :-1].round().to(torch.int64).reshape(world_size, *c.shape)
+        if view is None:
+            norms.append(_router_norm(term, every, rank))
+        else:
+            norms.append(_spec_norm(term, view, vector, block[:, -1], int(every.sum())))
+    return norms
 
 
 def _term_sum(
@@ -240,25 +303,6 @@ def _term_sum(
     targets = term_targets(term.kind, batch.targets, batch.segment_ids)
     losses = token_losses(term.kind, out[HEAD[term.kind]], targets, out.get("ref"))
     return (norm.weights[m] * losses).sum() * norm.scales[m]
-
-
-def count_prepass(
-    module: nn.Module,
-    microbatches: Sequence[TokenBatch],
-    parsed: Sequence[ObjectiveTerm],
-    rank: int,
-    world_size: int,
-    group: dist.ProcessGroup | None,
-    timeout_s: float,
-) -> list[_Norm]:
-    """Every term's weights and denominators, from this rank's counts and one int64
-    collective of every term's counts over the ranks (each term's block then [R, M, width]),
-    before any backward."""
-    weights, counts = _local_counts(module, microbatches, parsed)
-    gathered = _gather_int64(torch.cat([c.flatten() for c in counts]), group, timeout_s)
-    blocks = gathered.split([c.numel() for c in counts], dim=1)
-    gathered = [b.reshape(world_size, *c.shape) for b, c in zip(blocks, counts, strict=True)]
-    return [_norm(t, w, c, rank) for t, w, c in zip(parsed, weights, gathered, strict=True)]
 
 
 def trained_grads(module: nn.Module) -> dict[str, np.ndarray]:
@@ -314,11 +358,24 @@ def objective_update(
                 raise NonFiniteError(f"rank {rank}, microbatch {m}: the objective is {value}")
             (total * s).backward()
         local += torch.stack([p.detach() for p in parts])
-    if distributed:
-        work = dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        _wait(work, timeout_s, "the term-loss log")
+    # The log: every rank's term sums, and its own D_u of the terms with local units, in its
+    # slot (rank-major after the SUM).
+    own = [torch.tensor(n.denominators, dtype=torch.float64) for n in norms if n.local_units]
+    units = torch.cat(own) if own else torch.zeros(0, dtype=torch.float64)
+    payload = torch.cat([local, _slots(units, rank, world_size).flatten()])
+    payload = _all_reduce_sum(payload, group, timeout_s, "the term-loss log")
+    gathered = iter(
+        payload[len(parsed) :].view(world_size, -1).split([u.numel() for u in own], dim=1)
+    )
     logs = tuple(
-        TermLog(t.name, t.kind, t.coefficient, float(loss), n.count, n.denominators)
-        for t, n, loss in zip(parsed, norms, local.tolist(), strict=True)
+        TermLog(
+            t.name,
+            t.kind,
+            t.coefficient,
+            float(loss),
+            n.count,
+            tuple(next(gathered).flatten().tolist()) if n.local_units else n.denominators,
+        )
+        for t, n, loss in zip(parsed, norms, payload[: len(parsed)].tolist(), strict=True)
     )
     return ObjectiveLog(math.fsum(t.coefficient * t.loss for t in logs), logs)

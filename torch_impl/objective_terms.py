@@ -6,17 +6,12 @@ A term is a dict (docs/objectives.md)
      "scheme": scheme spec (per-token kinds; {} = token_mean), "scope": update | microbatch
      (moe_lb only), "top_k": k (moe_lb only), "name": str (defaults to the kind)}
 
-`parse_terms` reads it into an `ObjectiveTerm`, refusing with a ValueError what this module
-does not compute rather than computing it wrongly. Of the scheme specs
-(docs/schemes-as-data.md) it computes the ones whose counts never cross a microbatch:
-
-    a_t = m_t / n_G(t),   d_m = sum_{t in m} m_t (G = none)  or  non-empty groups of m (G = row,
-    segment),
-
-m_t the term's mask (v_t, or v'_t for mtp), at scope ``update``, ``rank`` or ``microbatch``:
-token_mean, row_mean, sequence_mean and their local siblings. A row and a (row, segment) pair
-never cross a microbatch, so n_G is local and only D_u = sum of d_m over the unit needs the
-other ranks. With z_t = h_t W, p_t = softmax(z_t), the per-token losses are
+`parse_terms` reads it into an `ObjectiveTerm`, refusing with a ValueError what is not a term.
+A per-token term's scheme is any spec of docs/schemes-as-data.md, read by
+`torch_impl.spec.parse_spec`; `torch_impl.objective` computes its a_t and D_u with the same
+`torch_impl.spec_counts.SpecView` as a single-term update, the term's mask (v_t, or v'_t for
+mtp) standing for the spec's ``valid`` mask. With z_t = h_t W, p_t = softmax(z_t), the
+per-token losses are
 
     ce, mtp   l_t = logsumexp(z_t) - z_t[y_t]         (mtp on its own head and y'_t)
     z_loss    l_t = logsumexp(z_t)^2
@@ -38,10 +33,10 @@ import torch
 from torch.nn.functional import log_softmax
 
 from torch_impl.batch import IGNORE_INDEX
+from torch_impl.spec import SchemeSpec, parse_spec
 
 PER_TOKEN_KINDS: tuple[str, ...] = ("ce", "z_loss", "entropy", "ref_kl", "mtp")
 KINDS: tuple[str, ...] = (*PER_TOKEN_KINDS, "moe_lb")
-SCOPES: tuple[str, ...] = ("update", "rank", "microbatch")
 #: The head whose logits each kind reads.
 HEAD: dict[str, str] = {
     "ce": "unembed",
@@ -52,65 +47,19 @@ HEAD: dict[str, str] = {
     "moe_lb": "router",
 }
 _TERM_KEYS = frozenset({"kind", "coefficient", "scheme", "scope", "top_k", "name"})
-#: Spec keys that must hold their default value here (a full dict form writes them out).
-#: count_scope is allowed and ignored: it only matters for a grouping that crosses microbatches.
-_ALLOWED = {
-    "weight": {"mask", "soft", "alpha", "group", "count_scope"},
-    "denominator": {"mask", "alpha", "value", "kind", "group"},
-}
-_FIXED = {
-    "weight": {"mask": "valid", "soft": "none", "alpha": 1.0},
-    "denominator": {"mask": "valid", "alpha": 1.0, "value": None},
-}
-
-#: (weight.group, denominator.kind, denominator.group) computed: token, row and segment means.
-_COMPUTED = {("none", "tokens", "none"), ("row", "groups", "row"), ("segment", "groups", "segment")}
 
 
 @dataclass(frozen=True, slots=True)
 class ObjectiveTerm:
-    """One term λ L_k: `group` is the spec's grouping (none, row, segment), `scope` its unit."""
+    """One term λ L_k: a per-token kind with its scheme `spec` (its `scope` is the spec's), or
+    moe_lb with its scope and top_k."""
 
     name: str
     kind: str
     coefficient: float
     scope: str = "update"
-    group: str = "none"
     top_k: int = 0
-
-
-def _spec_group_and_scope(label: str, scheme: Any) -> tuple[str, str]:
-    """(G, U) of a scheme spec this module computes; anything else is a ValueError."""
-    if not isinstance(scheme, Mapping):
-        raise ValueError(f"{label}: scheme must be a scheme-spec dict, got {scheme!r}")
-    unknown = sorted(set(scheme) - {"weight", "denominator", "scope", "name"})
-    if unknown:
-        raise ValueError(f"{label}: unknown scheme keys {unknown}")
-    weight = dict(scheme.get("weight") or {})
-    denominator = dict(scheme.get("denominator") or {})
-    for part, given in (("weight", weight), ("denominator", denominator)):
-        stray = sorted(set(given) - _ALLOWED[part])
-        if stray:
-            raise ValueError(f"{label}: unknown scheme spec keys {part}.{stray}")
-        for key, value in given.items():
-            if key in _FIXED[part] and value != _FIXED[part][key]:
-                raise ValueError(
-                    f"{label}: torch_impl.objective computes mask valid, soft none, alpha 1; "
-                    f"{part}.{key} = {value!r} is not one of them"
-                )
-    group = weight.pop("group", "none")
-    kind = denominator.pop("kind", "tokens")
-    groups = denominator.pop("group", "none")
-    if (group, kind, groups) not in _COMPUTED:
-        raise ValueError(
-            f"{label}: torch_impl.objective computes token, row and segment means (weight.group "
-            f"none/row/segment over the matching count), got weight.group {group!r}, "
-            f"denominator {kind!r} over {groups!r}"
-        )
-    scope = scheme.get("scope", "update")
-    if scope not in SCOPES:
-        raise ValueError(f"{label}: scheme scope must be one of {', '.join(SCOPES)}, got {scope!r}")
-    return group, scope
+    spec: SchemeSpec | None = None
 
 
 def parse_term(data: Mapping[str, Any]) -> ObjectiveTerm:
@@ -141,14 +90,20 @@ def parse_term(data: Mapping[str, Any]) -> ObjectiveTerm:
             raise ValueError(f"{label}: moe_lb scope must be update or microbatch, got {scope!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"{label}: moe_lb needs top_k, a positive integer, got {top_k!r}")
-        return ObjectiveTerm(name, kind, float(coefficient), scope, "none", top_k)
+        return ObjectiveTerm(name, kind, float(coefficient), scope, top_k)
     if "scope" in data or "top_k" in data:
         # The scheme's own "scope" says it: two places to say it could disagree.
         raise ValueError(
             f"{label}: scope and top_k are moe_lb's; a {kind} term's scope is its scheme's 'scope'"
         )
-    group, scope = _spec_group_and_scope(label, data.get("scheme") or {})
-    return ObjectiveTerm(name, kind, float(coefficient), scope, group)
+    scheme = data.get("scheme") or {}
+    if not isinstance(scheme, Mapping):
+        raise ValueError(f"{label}: scheme must be a scheme-spec dict, got {scheme!r}")
+    try:
+        spec = parse_spec(scheme, name=f"{name} scheme")
+    except ValueError as exc:
+        raise ValueError(f"{label}: {exc}") from None
+    return ObjectiveTerm(name, kind, float(coefficient), spec.scope, spec=spec)
 
 
 def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]:
@@ -175,27 +130,6 @@ def mtp_targets(targets: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tenso
 def term_targets(kind: str, targets: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
     """The targets whose != IGNORE_INDEX is the term's mask m_t (y' for mtp, y otherwise)."""
     return mtp_targets(targets, segment_ids) if kind == "mtp" else targets
-
-
-def token_weights(
-    group: str, mask: torch.Tensor, segment_ids: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """(a_t float64 [B, T], d_m) of one microbatch for grouping `group` (module docstring).
-
-    Counts are exact integers; a group without a masked-in token has no weight, never 0/0.
-    """
-    if group == "none":
-        return mask.to(torch.float64), int(mask.sum())
-    B, T = mask.shape
-    if group == "row":
-        ids = torch.arange(B).unsqueeze(1).expand(B, T)
-    else:  # segment: one id per (row, segment id) pair
-        width = int(segment_ids.max()) + 1
-        ids = torch.arange(B).unsqueeze(1) * width + segment_ids
-    counts = torch.bincount(ids.flatten(), weights=mask.flatten().to(torch.float64))
-    per_token = counts[ids]
-    weights = torch.where(mask, 1.0 / per_token.clamp(min=1.0), 0.0)
-    return weights, int((counts > 0).sum())
 
 
 def token_losses(

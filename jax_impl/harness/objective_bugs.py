@@ -111,7 +111,11 @@ def _buggy_part(pattern, term, norm: _Norm, main: _Norm, p, mb, m, axis, M):
         return jnp.sum(losses) / main.count.astype(losses.dtype)
     if pattern == "aux-world-size-factor":
         # Complete on every rank: the term of the whole update's step m, global weights.
-        return _term_sum(term, norm, p, _gathered(mb, axis), m)
+        # a_t of every rank's rows of step m (moe_lb has none: its counts are the update's).
+        weights = (
+            None if norm.weights is None else lax.all_gather(norm.weights[m], axis, tiled=True)
+        )
+        return _term_sum(term, norm, p, _gathered(mb, axis), m, weights)
     if pattern == "aux-global-count-local-stats":
         balance, _ = _local_balance(term, p, mb)
         return balance / norm.count.astype(balance.dtype)  # divided like the main loss

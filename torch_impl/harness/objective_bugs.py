@@ -69,9 +69,9 @@ from torch_impl.objective_terms import (
     parse_terms,
     term_targets,
     token_losses,
-    token_weights,
     top_k_counts,
 )
+from torch_impl.spec import parse_spec
 from torch_impl.update import sync_context
 
 PATTERNS: tuple[str, ...] = (
@@ -99,9 +99,9 @@ def check_target(pattern: str, target: ObjectiveTerm, main: ObjectiveTerm) -> No
     }
     if pattern in needs and target.kind != needs[pattern]:
         raise ValueError(f"{pattern} hits a {needs[pattern]} term, not {target.kind}")
-    if pattern == "sibling-term-scope" and (
-        target.kind == "moe_lb" or target.scope != "update" or target.group != "none"
-    ):
+    # Every key at its default is the token mean over the update (the name is only a label).
+    token_mean = target.spec is not None and target.spec == parse_spec({}, target.spec.name)
+    if pattern == "sibling-term-scope" and not token_mean:
         raise ValueError("sibling-term-scope localizes a token-mean term of update scope")
     if pattern in ("shifted-aux-count", "aux-world-size-factor") and target.scope != "update":
         raise ValueError(f"{pattern} is written for a target of update scope")
@@ -110,21 +110,35 @@ def check_target(pattern: str, target: ObjectiveTerm, main: ObjectiveTerm) -> No
         raise ValueError(f"{pattern} is written for a target of microbatch scope")
 
 
-def _gathered(batch: TokenBatch, group: dist.ProcessGroup | None, timeout_s: float) -> TokenBatch:
-    """Every rank's rows of this accumulation step, rank-major: the whole update's step m.
-
-    Token ids only (no gradient crosses ranks): each rank then evaluates the complete term
-    with its own replica of the params, as a replicated global-batch loss does.
-    """
+def _rows_of_every_rank(
+    x: torch.Tensor, group: dist.ProcessGroup | None, timeout_s: float
+) -> torch.Tensor:
+    """Every rank's `x` [B, ...], concatenated rank-major along the rows."""
     if not (dist.is_available() and dist.is_initialized()):
-        return batch
-    world_size = dist.get_world_size(group)
-    parts = []
-    for x in (batch.inputs, batch.targets, batch.segment_ids):
-        out = [torch.empty_like(x) for _ in range(world_size)]
-        _wait(dist.all_gather(out, x, group=group, async_op=True), timeout_s, "the aux gather")
-        parts.append(torch.cat(out))
-    return batch._replace(inputs=parts[0], targets=parts[1], segment_ids=parts[2])
+        return x
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(out, x, group=group, async_op=True), timeout_s, "the aux gather")
+    return torch.cat(out)
+
+
+def _gathered(
+    batch: TokenBatch,
+    weights: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+) -> tuple[TokenBatch, torch.Tensor | None]:
+    """Every rank's rows of this accumulation step, rank-major: the whole update's step m,
+    with the target's a_t there (None for moe_lb).
+
+    Token ids and weights only (no gradient crosses ranks): each rank then evaluates the
+    complete term with its own replica of the params, as a replicated global-batch loss does.
+    """
+    inputs, targets, segment_ids = (
+        _rows_of_every_rank(x, group, timeout_s)
+        for x in (batch.inputs, batch.targets, batch.segment_ids)
+    )
+    whole = batch._replace(inputs=inputs, targets=targets, segment_ids=segment_ids)
+    return whole, None if weights is None else _rows_of_every_rank(weights, group, timeout_s)
 
 
 def _local_balance(
@@ -151,7 +165,7 @@ def _buggy_part(
     batch: TokenBatch,
     m: int,
     M: int,
-    gathered: TokenBatch | None,
+    gathered: tuple[TokenBatch, torch.Tensor | None] | None,
 ) -> torch.Tensor:
     """The target's λ-free loss of microbatch m as the buggy loop writes it, float64."""
     if pattern in ("sibling-term-scope", "shifted-aux-count"):
@@ -166,11 +180,10 @@ def _buggy_part(
     if pattern == "aux-world-size-factor":
         # The whole update's step m on this rank: the correct weights over all its tokens.
         heads = (HEAD[term.kind], *(("ref",) if term.kind == "ref_kl" else ()))
-        if norm.weights is not None:  # a per-token term: a_t of the gathered rows
-            mask = term_targets(term.kind, gathered.targets, gathered.segment_ids) != IGNORE_INDEX
-            a, _ = token_weights(term.group, mask, gathered.segment_ids)
-            norm = norm._replace(weights={m: a})
-        return _term_sum(term, norm, module(gathered.inputs, heads), gathered, m)
+        whole, weights = gathered
+        if weights is not None:  # a per-token term: a_t of the gathered rows
+            norm = norm._replace(weights={m: weights})
+        return _term_sum(term, norm, module(whole.inputs, heads), whole, m)
     if pattern == "aux-global-count-local-stats":
         # Divided like the main loss: by the update's token count n.
         return _local_balance(term, out, batch)[0] / norm.count
@@ -213,7 +226,10 @@ def objective_bug_update(
     heads = heads_of(parsed)
     for m, batch in enumerate(microbatches):
         # Collectives before the step's forward: every rank reaches them in the same order.
-        whole = _gathered(batch, group, timeout_s) if pattern == "aux-world-size-factor" else None
+        whole = None
+        if pattern == "aux-world-size-factor":
+            weights = norms[parsed.index(hit)].weights
+            whole = _gathered(batch, None if weights is None else weights[m], group, timeout_s)
         with sync_context(model, m == M - 1):
             out = model(batch.inputs, heads)
             total = torch.zeros((), dtype=torch.float64)
