@@ -21,6 +21,12 @@ from jax_impl.batch import (
     rank_slice,
     validate_global_batch,
 )
+from jax_impl.context_parallel import (
+    context_mesh,
+    lay_out_context_parallel,
+    make_context_parallel_gradients,
+    make_context_parallel_sweep,
+)
 from jax_impl.denominators import denominator_dtype
 from jax_impl.devices import require_devices
 from jax_impl.global_step import make_global_gradients, make_global_sweep, make_global_update
@@ -68,12 +74,16 @@ __all__ = [
     "UpdateResult",
     "apply_clipped_update",
     "apply_optimizer",
+    "context_mesh",
     "data_mesh",
     "default_document_ids",
     "denominator_dtype",
     "init_opt_state",
+    "lay_out_context_parallel",
     "lay_out_global_batch",
     "local_mean_loss",
+    "make_context_parallel_gradients",
+    "make_context_parallel_sweep",
     "make_global_gradients",
     "make_global_sweep",
     "make_global_update",

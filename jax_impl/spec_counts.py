@@ -33,6 +33,15 @@ a piece f add up to one term), except for id groupings counted at update scope w
 update, taken from the update's vector. A group or document counted in several units of a
 count scope finer than U (count_scope microbatch, U = update) adds one term per unit, each
 with its own count, as docs/schemes-as-data.md says.
+
+Context parallel (docs/contract.md#context-parallel): with ``axis_name`` = (data axis,
+context axis) every process holds its rows' positions of one context rank, and a "rank" is
+a process. Rows and segments then cross processes: their counts over the update are taken
+from the whole rows, gathered over the context axis (every context rank of a data rank
+holds the same rows, so one ``all_gather`` of the mask and the segment ids gives them), and
+a row-level part of D over the update (the non-empty rows or segments, the absolute row
+weights) is counted by context rank 0 alone, so that the sum over the processes counts each
+row once. Counts at scope ``rank`` or ``microbatch`` are the process's own.
 """
 
 from __future__ import annotations
@@ -113,10 +122,53 @@ class IdCounts(NamedTuple):
     update: jax.Array | None  # [n], None until the pre-pass psum ran
 
 
+class Context(NamedTuple):
+    """The context-parallel axis, or none (`context_of`)."""
+
+    axis: str | None = None
+
+    def whole_rows(self, x: jax.Array) -> jax.Array:
+        """[..., T] of every context rank's positions of these rows (in rank order, a
+        permutation of the row: counts do not depend on it); `x` itself without CP."""
+        if self.axis is None:
+            return x
+        return jax.lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
+
+    def once_per_row(self, x: jax.Array) -> jax.Array:
+        """`x` on context rank 0, 0 on the others: a row-level part summed over processes."""
+        if self.axis is None:
+            return x
+        return jnp.where(jax.lax.axis_index(self.axis) == 0, x, jnp.zeros_like(x))
+
+
+#: No context parallel: every process holds whole rows.
+NO_CONTEXT = Context()
+
+
+def context_of(axis_name: str | tuple[str, ...]) -> Context:
+    """(data axis, context axis) under context parallel: the last name splits the positions."""
+    if isinstance(axis_name, tuple) and len(axis_name) > 1:
+        return Context(axis_name[-1])
+    return NO_CONTEXT
+
+
 def token_counts(
-    mask: jax.Array, grouping: str, scope: str, batch: Batch, ids: IdCounts | None
+    mask: jax.Array,
+    grouping: str,
+    scope: str,
+    batch: Batch,
+    ids: IdCounts | None,
+    context: Context = NO_CONTEXT,
 ) -> jax.Array:
     """n_G(t) (int32, broadcastable to [M, B, T]): `mask`'s tokens of t's group in t's unit."""
+    if grouping in ("row", "segment") and scope == "update":
+        # The whole row's tokens, whichever process holds them.
+        whole = context.whole_rows(mask)
+        if grouping == "row":
+            return jnp.sum(whole, axis=-1, keepdims=True, dtype=jnp.int32)
+        segments = context.whole_rows(batch.segment_ids)
+        same = batch.segment_ids[..., :, None] == segments[..., None, :]
+        return jnp.sum(same & whole[..., None, :], axis=-1, dtype=jnp.int32)
     if grouping == "row":
         return jnp.sum(mask, axis=-1, keepdims=True, dtype=jnp.int32)
     if grouping == "segment":
@@ -173,20 +225,26 @@ class SpecTerms(NamedTuple):
 
 
 def _groups_parts(
-    mask: jax.Array, grouping: str, scope: str, batch: Batch
+    mask: jax.Array, grouping: str, scope: str, batch: Batch, context: Context = NO_CONTEXT
 ) -> tuple[jax.Array | None, jax.Array | None]:
     """(mb_count [M], rank_count) of the groups with a token of `mask`, for the groupings
-    that never cross a microbatch (row, segment, microbatch) or a rank (rank)."""
+    that never cross a microbatch (row, segment, microbatch) or a rank (rank); under context
+    parallel a row or segment of the update is counted on its whole row, by context rank 0."""
+    segment_ids = batch.segment_ids
+    if grouping in ("row", "segment") and scope == "update":
+        mask, segment_ids = context.whole_rows(mask), context.whole_rows(segment_ids)
+    else:
+        context = NO_CONTEXT  # the process's own groups: counted where they are
     if grouping == "row":
         per_row = jnp.sum(mask, axis=-1, dtype=jnp.int32)
-        return jnp.sum(per_row > 0, axis=-1, dtype=jnp.int32), None
+        return context.once_per_row(jnp.sum(per_row > 0, axis=-1, dtype=jnp.int32)), None
     if grouping == "segment":
         # A segment's first token of `mask` stands for it: an exact integer count.
-        same = batch.segment_ids[..., :, None] == batch.segment_ids[..., None, :]
+        same = segment_ids[..., :, None] == segment_ids[..., None, :]
         seq_len = mask.shape[-1]
         earlier = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool), k=-1)  # u < t
         first = mask & ~jnp.any(same & mask[..., None, :] & earlier, axis=-1)
-        return jnp.sum(first, axis=(-2, -1), dtype=jnp.int32), None
+        return context.once_per_row(jnp.sum(first, axis=(-2, -1), dtype=jnp.int32)), None
     per_mb = jnp.sum(mask, axis=(-2, -1), dtype=jnp.int32)
     if grouping == "microbatch" or scope == "microbatch":
         # Grouping rank inside a microbatch unit: the rank's group there is the microbatch.
@@ -200,6 +258,7 @@ def denominator_parts(
     d_mask: jax.Array,
     ids: dict[tuple[str, str], IdCounts],
     with_derived: bool = True,
+    context: Context = NO_CONTEXT,
 ) -> DenominatorParts:
     """D's parts of one rank (module docstring). Without `with_derived` the unit-level
     parts, which may need the update's count vectors, are left out (None)."""
@@ -223,7 +282,7 @@ def denominator_parts(
             vector = {"microbatch": d_ids.microbatch, "rank": d_ids.rank}.get(U, d_ids.update)
             derived_count = nonempty(vector, _first_id(d.group))
     elif d.kind in ("groups", "all_groups"):
-        c, r = _groups_parts(d_mask, d.group, U, batch)
+        c, r = _groups_parts(d_mask, d.group, U, batch, context)
         mb_count = zero_count if c is None else c
         rank_count = rank_count if r is None else r
     elif d.kind == "weight_sum":
@@ -231,7 +290,10 @@ def denominator_parts(
     elif d.kind == "abs_row_weight_sum":
         # Every row of the unit, whatever its mask (TRL weighted_nll divides by the absolute
         # weights of all rows, fully masked ones included).
-        mb_weight = exact_sum(jnp.abs(batch.row_weights).astype(dtype), (-1,))
+        row_weights = jnp.abs(batch.row_weights).astype(dtype)
+        if U == "update":
+            row_weights = context.once_per_row(row_weights)
+        mb_weight = exact_sum(row_weights, (-1,))
     elif d.kind == "power_sum":
         if d.group in ID_GROUPINGS and w.count_scope == "update" and U == "update":
             if with_derived:  # sum over the update's non-empty ids of N^(-alpha')
@@ -239,8 +301,8 @@ def denominator_parts(
                 power = inverse_power(counts, d.alpha, counts > 0, dtype)
                 derived_float = exact_sum(power).value()
         else:
-            n_cs = token_counts(d_mask, d.group, w.count_scope, batch, d_ids)
-            n_f = token_counts(d_mask, d.group, finer(U, w.count_scope), batch, d_ids)
+            n_cs = token_counts(d_mask, d.group, w.count_scope, batch, d_ids, context)
+            n_f = token_counts(d_mask, d.group, finer(U, w.count_scope), batch, d_ids, context)
             per_token = inverse_power(n_cs, d.alpha, d_mask, dtype)
             per_token = per_token * inverse_power(n_f, 1.0, d_mask, dtype)
             mb_weight = exact_sum(per_token, (-2, -1))
@@ -248,7 +310,11 @@ def denominator_parts(
 
 
 def numerator_weights(
-    spec: SchemeSpec, batch: Batch, mask: jax.Array, ids: dict[tuple[str, str], IdCounts]
+    spec: SchemeSpec,
+    batch: Batch,
+    mask: jax.Array,
+    ids: dict[tuple[str, str], IdCounts],
+    context: Context = NO_CONTEXT,
 ) -> jax.Array:
     """a_t = m_t s_t n_G(t)^(-alpha) in the denominator dtype, 0 where m_t = 0.
 
@@ -258,7 +324,7 @@ def numerator_weights(
     w = spec.weight
     a = None
     if w.group != "none":
-        n = token_counts(mask, w.group, w.count_scope, batch, ids.get(("w", w.group)))
+        n = token_counts(mask, w.group, w.count_scope, batch, ids.get(("w", w.group)), context)
         a = inverse_power(jnp.broadcast_to(n, mask.shape), w.alpha, mask, dtype)
     soft = None
     if w.soft == "token":
@@ -273,7 +339,7 @@ def numerator_weights(
 def rank_spec_terms(
     spec: SchemeSpec,
     batch: Batch,
-    axis_name: str,
+    axis_name: str | tuple[str, ...],
     reduce_with_counts: Callable[[DenominatorParts], object] | None = None,
 ) -> tuple[SpecTerms, object]:
     """a_t and D's parts of one rank's [M, B, T] batch, with the count pre-pass.
@@ -281,11 +347,13 @@ def rank_spec_terms(
     The pre-pass psum runs when an update-scope count vector is needed, or when
     `reduce_with_counts` is given (U = update only): then it maps the local parts to what
     should ride in the same psum (precount's denominator channels), and its reduced value is
-    returned second (None otherwise).
+    returned second (None otherwise). `axis_name` is the data-parallel axis, or (data axis,
+    context axis) under context parallel (module docstring).
     """
     # The weights are read in the denominator dtype below; bfloat16 ones are already rounded.
     check_weights_dtype(batch.weights.dtype)
     w, d, U = spec.weight, spec.denominator, spec.scope
+    context = context_of(axis_name)
     m = masks(batch)
     numerator_mask = token_mask(w.mask, m)
     d_mask = token_mask(d.mask, m)
@@ -309,14 +377,15 @@ def rank_spec_terms(
     if U == "update" and reduce_with_counts is not None:
         # Every part summed over ranks uses local counts only (module docstring): it joins
         # the pre-pass psum, the one collective before the backward.
-        early = denominator_parts(spec, batch, d_mask, ids, with_derived=False)
+        early = denominator_parts(spec, batch, d_mask, ids, False, context)
         to_reduce = reduce_with_counts(early)
     if need_update or to_reduce is not None:
         rank_vectors = {key: c.rank for key, c in ids.items()} if need_update else {}
         total_vectors, reduced = jax.lax.psum((rank_vectors, to_reduce), axis_name)
         ids = {key: c._replace(update=total_vectors.get(key)) for key, c in ids.items()}
-    parts = denominator_parts(spec, batch, d_mask, ids)
+    parts = denominator_parts(spec, batch, d_mask, ids, True, context)
     if early is not None:
         # The same additive parts as went into the psum; the unit-level ones needed it.
         parts = early._replace(derived_count=parts.derived_count, derived_float=parts.derived_float)
-    return SpecTerms(numerator_weights(spec, batch, numerator_mask, ids), parts), reduced
+    a = numerator_weights(spec, batch, numerator_mask, ids, context)
+    return SpecTerms(a, parts), reduced

@@ -9,9 +9,12 @@ BLAS thread each.
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -63,3 +66,28 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def x64_worker_results(script: str, out_dir: Path, timeout: float) -> Any:
+    """What `script`, run as ``python SCRIPT --out FILE`` on 8 host devices with the small-
+    program XLA flags, pickled to FILE: the JAX side of a test that needs x64 (global to a
+    process) or the devices (fixed at JAX's import)."""
+    from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+
+    out = out_dir / "results.pkl"
+    flags = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
+    run_script(script, "--out", str(out), env=jax_env(flags), timeout=timeout, what="JAX worker")
+    with out.open("rb") as f:
+        return pickle.load(f)
+
+
+def write_worker_results(compute: Callable[[], Any]) -> None:
+    """The script side of `x64_worker_results`: pickle ``compute()`` to the ``--out`` file."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    path = parser.parse_args().out
+    results = compute()
+    with open(path, "wb") as f:
+        pickle.dump(results, f)

@@ -9,19 +9,14 @@ results; the test compares them with `crosscheck.contract.objective` computed he
 
 from __future__ import annotations
 
-import argparse
-import pickle
-import sys
-
 import numpy as np
 import pytest
-from child_env import jax_env, run_script
+from child_env import write_worker_results, x64_worker_results
 from test_objective_oracle import GROUPED_FIXTURES, GROUPED_TERMS, TOP_K, make_params
 
 from crosscheck.contract.objective import objective_loss_and_grad
 from crosscheck.contract.spec import get_spec
 from crosscheck.fixtures.builtin import builtin_fixture
-from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
 from jax_impl.objective import parse_terms
 
 # Both sides compute in float64 from the same numbers; they differ only in the order of
@@ -82,11 +77,7 @@ def jax_results() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("jax_objective") / "results.pkl"
-    flags = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
-    run_script(__file__, "--out", str(out), env=jax_env(flags), timeout=240, what="JAX worker")
-    with out.open("rb") as f:
-        return pickle.load(f)
+    return x64_worker_results(__file__, tmp_path_factory.mktemp("jax_objective"), timeout=240)
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -164,8 +155,4 @@ def test_jax_refuses_bad_terms(term, message):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    with open(parser.parse_args().out, "wb") as f:
-        pickle.dump(jax_results(), f)
-    sys.exit(0)
+    write_worker_results(jax_results)

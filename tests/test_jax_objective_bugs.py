@@ -7,18 +7,13 @@ gradient and pickles it; the tests diagnose them here against the numpy oracle.
 
 from __future__ import annotations
 
-import argparse
-import pickle
-import sys
-
 import numpy as np
 import pytest
-from child_env import jax_env, run_script
+from child_env import write_worker_results, x64_worker_results
 from test_objective_oracle import TOP_K, make_params
 
 from crosscheck.diagnosis.objective_diagnosis import diagnose_objective
 from crosscheck.fixtures.builtin import builtin_fixture
-from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
 
 FIXTURE = "packed"
 TERMS = [
@@ -92,11 +87,7 @@ def jax_results() -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("jax_objective_bugs") / "results.pkl"
-    flags = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
-    run_script(__file__, "--out", str(out), env=jax_env(flags), timeout=240, what="JAX worker")
-    with out.open("rb") as f:
-        return pickle.load(f)
+    return x64_worker_results(__file__, tmp_path_factory.mktemp("jax_objective_bugs"), timeout=240)
 
 
 def diagnose(grads, R: int, M: int, terms=TERMS):
@@ -165,8 +156,4 @@ def test_jax_sibling_scope_recovers_the_local_unit_weights(results):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    with open(parser.parse_args().out, "wb") as f:
-        pickle.dump(jax_results(), f)
-    sys.exit(0)
+    write_worker_results(jax_results)

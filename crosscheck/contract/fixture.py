@@ -171,14 +171,21 @@ class Fixture:
         """Fresh float64 copies of the params, keyed by the names every model uses."""
         return {"embed": self.embed.copy(), "unembed": self.unembed.copy()}
 
-    def layout(self, world_size: int, accum_steps: int) -> LaidOutBatch:
-        """The batch split over `world_size` ranks x `accum_steps` microbatches ([R, M, B, T])."""
+    def layout(
+        self,
+        world_size: int,
+        accum_steps: int,
+        context_size: int = 1,
+        context_order: str = "contiguous",
+    ) -> LaidOutBatch:
+        """The batch split over `world_size` ranks x `accum_steps` microbatches ([R, M, B, T]),
+        every row's positions over `context_size` context-parallel ranks in `context_order`."""
         return lay_out(
             self.inputs,
             self.targets,
             self.segment_ids,
             self.weights,
-            Layout(world_size, accum_steps),
+            Layout(world_size, accum_steps, context_size, context_order),
             **{key: getattr(self, key) for key in ROW_FIELD_KEYS},
         )
 

@@ -4,6 +4,14 @@ A layout (R, M) splits the N rows of a global batch contiguously: rank r gets ro
 [r N/R, (r+1) N/R), and those are split again into M equal microbatches. That is exactly a
 reshape of the row axis from N to (R, M, B) with B = N / (R M), so every [N, T] array of a
 fixture becomes [R, M, B, T] and the global token order is preserved.
+
+Context parallel (docs/contract.md#context-parallel): a layout may also split every row's T
+positions over C context-parallel ranks, so that data-parallel rank r and context rank c
+form process r C + c of R C. ``contiguous`` gives context rank c the positions
+[c T/C, (c+1) T/C); ``zigzag`` (the load-balanced order of Megatron-LM and torchtitan) cuts
+the row into 2C chunks of T/(2C) and gives context rank c chunks c and 2C - 1 - c, so that
+every rank holds as many early (cheap under causal attention) as late positions. The arrays
+stay [R, M, B, T]; `Layout.context_ranks` says which context rank holds each position.
 """
 
 from __future__ import annotations
@@ -17,14 +25,31 @@ IGNORE_INDEX = -100
 """Target value that marks a token without a loss (the torch / Hugging Face convention)."""
 
 
+CONTEXT_ORDERS: tuple[str, ...] = ("contiguous", "zigzag")
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """R ranks (data-parallel world size) times M accumulation microbatches per update."""
+    """R ranks (data-parallel world size) times M accumulation microbatches per update, and C
+    context-parallel ranks splitting every row's positions in `context_order`."""
 
     world_size: int
     accum_steps: int
+    context_size: int = 1
+    context_order: str = "contiguous"
 
     def __post_init__(self) -> None:
+        if self.context_order not in CONTEXT_ORDERS:
+            raise ValueError(
+                f"layout context_order must be one of {', '.join(CONTEXT_ORDERS)}, "
+                f"got {self.context_order!r}"
+            )
+        if isinstance(self.context_size, bool) or not isinstance(
+            self.context_size, int | np.integer
+        ):
+            raise ValueError(f"layout context_size must be an integer, got {self.context_size!r}")
+        if self.context_size < 1:
+            raise ValueError(f"layout needs context_size >= 1, got {self.context_size}")
         for name in ("world_size", "accum_steps"):
             value = getattr(self, name)
             # bool is an int, and 2.0 would reshape to a float shape: both are slips.
@@ -40,6 +65,34 @@ class Layout:
     def num_microbatches(self) -> int:
         """R * M: microbatches in one optimizer update, over all ranks."""
         return self.world_size * self.accum_steps
+
+    @property
+    def num_processes(self) -> int:
+        """R * C: the processes of one update, data-parallel rank r and context rank c being
+        process r C + c."""
+        return self.world_size * self.context_size
+
+    @property
+    def chunks(self) -> int:
+        """How many equal chunks a row's positions are cut into: C, or 2 C for zigzag."""
+        return self.context_size * (2 if self.context_order == "zigzag" else 1)
+
+    def splits(self, seq_len: int) -> bool:
+        """Whether T positions cut into `chunks` equal chunks."""
+        return seq_len % self.chunks == 0
+
+    def context_ranks(self, seq_len: int) -> np.ndarray:
+        """[T] int: the context rank holding each position (module docstring)."""
+        if not self.splits(seq_len):
+            raise ValueError(
+                f"rows of {seq_len} positions cannot be split over context_size="
+                f"{self.context_size} ({self.context_order}): {seq_len} is not divisible by "
+                f"{self.chunks}"
+            )
+        chunk = np.arange(seq_len) // (seq_len // self.chunks)
+        if self.context_order == "zigzag":
+            chunk = np.minimum(chunk, self.chunks - 1 - chunk)
+        return chunk
 
     def divides(self, num_rows: int) -> bool:
         """Whether N rows lay out over this layout: N divisible by R M (the one place the
@@ -57,7 +110,10 @@ class Layout:
         return num_rows // self.num_microbatches
 
     def __str__(self) -> str:
-        return f"R={self.world_size},M={self.accum_steps}"
+        text = f"R={self.world_size},M={self.accum_steps}"
+        if self.context_size > 1:
+            text += f",C={self.context_size}" + ("z" if self.context_order == "zigzag" else "")
+        return text
 
 
 class Microbatch(NamedTuple):
@@ -179,6 +235,7 @@ def lay_out(
         if array.shape != (N,):
             raise ValueError(f"lay_out: {key} has shape {array.shape}, a row array is [{N}]")
     B = layout.rows_per_microbatch(N)
+    layout.context_ranks(T)  # C must split the positions: raises saying so
     new_shape = (layout.world_size, layout.accum_steps, B, T)
     laid = {key: array.reshape(new_shape) for key, array in arrays.items()}
     laid.update({key: array.reshape(new_shape[:3]) for key, array in rows.items()})

@@ -125,33 +125,46 @@ def loss_and_grad(
     world_size: int = 1,
     accum_steps: int = 1,
     params: Params | None = None,
+    *,
+    context_size: int = 1,
+    context_order: str = "contiguous",
 ) -> OracleResult:
-    """The oracle's objective and gradient for `scheme` on `fixture` laid out as (R, M).
+    """The oracle's objective and gradient for `scheme` on `fixture` laid out as (R, M), every
+    row's positions over `context_size` context-parallel ranks (`crosscheck.contract.layout`).
 
     `params` defaults to the fixture's own. For the accidental schemes the denominator is
-    reported as R (rank_mean) or R M (microbatch_mean) and the unnormalized per-rank sums are
-    those of the rank's own means.
+    reported as K, the number of units (R C per process, R C M per microbatch), and the
+    unnormalized sums are those of each process's own means; the per-rank figures are per
+    process (data-parallel rank r, context rank c: process r C + c).
     """
     scheme = resolve_scheme(scheme)
     params = fixture.params() if params is None else params
-    batch = fixture.layout(world_size, accum_steps)
+    batch = fixture.layout(world_size, accum_steps, context_size, context_order)
     weights = batch.to_global(scheme.effective_weights(batch))
     denominator = scheme.global_denominator(batch)
     terms = token_terms(params, fixture.inputs, fixture.targets)
     loss = math.fsum((weights * terms.losses).ravel().tolist())
     grads = _grad_from_errors(params, fixture.inputs, terms.errors, weights)
     no_valid = not np.any(weights)
-    rank_weights = (weights * denominator).reshape(world_size, -1)
-    rank_losses = terms.losses.reshape(world_size, -1)
+    N, T = fixture.targets.shape
+    rank_of_row = np.arange(N) // (N // world_size)
+    process = rank_of_row[:, None] * context_size + batch.layout.context_ranks(T)[None, :]
+    processes = world_size * context_size
+    per_process = [process == p for p in range(processes)]
     return OracleResult(
         loss=loss,
         grads=grads,
         denominator=denominator,
         token_weights=weights,
         no_valid_tokens=no_valid,
-        rank_valid_tokens=batch.valid.reshape(world_size, -1).sum(axis=1),
+        rank_valid_tokens=np.array(
+            [int(np.count_nonzero(fixture.valid & on)) for on in per_process]
+        ),
         rank_loss_sums=np.array(
-            [math.fsum((w * x).tolist()) for w, x in zip(rank_weights, rank_losses, strict=True)]
+            [
+                math.fsum((weights[on] * denominator * terms.losses[on]).tolist())
+                for on in per_process
+            ]
         ),
     )
 

@@ -253,15 +253,18 @@ class SchemeSpec:
             pieces = np.stack([view.unit(self.weight.count_scope)[chosen], keys[chosen]], axis=1)
             _, first = np.unique(pieces, axis=0, return_index=True)
             return math.fsum((counts[chosen][first] ** (-d.alpha)).tolist())
-        rows = inside[..., 0]  # a unit holds whole rows
+        # The rows of the unit: whole rows, or under context parallel every row with a
+        # position in it (each context rank holds a part of every row of its microbatch).
+        rows = inside.any(axis=-1)
+        if d.kind == "abs_row_weight_sum":
+            return math.fsum(np.abs(view.row_weights[..., 0][rows]).tolist())
         if d.mask == "sample":
             rows = rows & (view.sample_mask[..., 0] != 0)
-        if d.kind == "abs_row_weight_sum":
-            return math.fsum(np.abs(view.row_weights[..., 0][inside[..., 0]]).tolist())
-        # all_groups: every group present in the unit, empty ones included.
-        if d.group in ("row", "group", "microbatch", "rank"):
-            return float(np.unique(keys[..., 0][rows]).size)
-        present = inside & (view.segment_ids > 0) & rows[..., None]
+        # all_groups: every group present in the unit, empty ones included: a row-level group
+        # by any position of a kept row, a segment or document by a nonzero segment id.
+        present = inside & rows[..., None]
+        if d.group not in ("row", "group", "microbatch", "rank"):
+            present = present & (view.segment_ids > 0)
         return float(np.unique(keys[present]).size)
 
 
@@ -269,7 +272,10 @@ class _BatchView:
     """Per-token arrays of a laid-out batch: masks, group keys, unit ids, counts."""
 
     def __init__(self, batch: LaidOutBatch) -> None:
-        self.R, self.M, self.B, self.T = batch.targets.shape
+        R, self.M, self.B, self.T = batch.targets.shape
+        C = batch.layout.context_size
+        #: Processes: data-parallel rank r and context rank c are process r C + c.
+        self.R = R * C
         shape = batch.targets.shape
         # A field the batch was laid out without takes the contract's default (a batch of v1's
         # arrays alone: every row its own group and sampled, weight 1, documents per segment).
@@ -289,8 +295,11 @@ class _BatchView:
         self.document_ids = fields["document_ids"]
         self.group_ids = np.broadcast_to(fields["group_ids"][..., None], shape)
         r, m, b, _ = np.indices(shape)
-        self.rank, self.microbatch = r, r * self.M + m
-        self.row = self.microbatch * self.B + b
+        self.row = (r * self.M + m) * self.B + b
+        # The process holding each position; a microbatch is one process's share of one
+        # accumulation step (a part of each of its rows under context parallel).
+        self.rank = r * C + batch.layout.context_ranks(self.T)
+        self.microbatch = self.rank * self.M + m
 
     def mask(self, name: str) -> np.ndarray:
         if name == "sample":
