@@ -15,36 +15,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from child_env import write_worker_results, x64_worker_results
+from context_parallel_cases import FIELDS, FIXTURES, STRATEGIES, scheme_names
 
 from crosscheck.contract.oracle import loss_and_grad
-from crosscheck.contract.spec_catalogue import DEFAULT_PARAMETERS, known_spec_names
 from crosscheck.fixtures.builtin import builtin_fixture
 
 # Both sides compute in float64 from the same exact counts; they differ in the order of their
 # sums and where they divide: a few ulps (measured <= 2e-15).
 RTOL = 1e-12
-FIXTURES = ("packed", "rollouts", "continued-documents")
 #: (R, M, C, order): both orders, C in {2, 4}, data parallel and accumulation beside CP.
 LAYOUTS = [(2, 1, 2, "zigzag"), (1, 2, 4, "zigzag"), (2, 2, 2, "contiguous")]
-STRATEGIES = ("precount", "postnorm")
-FIELDS = (
-    "inputs",
-    "targets",
-    "segment_ids",
-    "weights",
-    "group_ids",
-    "document_ids",
-    "row_weights",
-    "sample_mask",
-)
-
-
-def scheme_names() -> list[str]:
-    """Every name of the catalogue, a parametric one with its default parameter."""
-    return [
-        f"{name}:{DEFAULT_PARAMETERS[name]:g}" if name in DEFAULT_PARAMETERS else name
-        for name in known_spec_names()
-    ]
 
 
 def jax_results() -> dict:

@@ -85,6 +85,10 @@ class TokenBatch(NamedTuple):
     document_ids: torch.Tensor | None = None  # [B, T] integer, 0 = padding
     row_weights: torch.Tensor | None = None  # [B] float, any sign
     sample_mask: torch.Tensor | None = None  # [B] 0/1
+    #: Context parallel: this microbatch holds context rank `context_rank`'s positions of its
+    #: rows, of `context_size` ranks (`context_microbatches`); 0 of 1 for whole rows.
+    context_rank: int = 0
+    context_size: int = 1
 
     @property
     def valid(self) -> torch.Tensor:
@@ -241,6 +245,68 @@ def rank_microbatches(
             )
         )
     return out
+
+
+CONTEXT_ORDERS: tuple[str, ...] = ("contiguous", "zigzag")
+
+
+def context_positions(
+    seq_len: int, context_size: int, order: str = "contiguous"
+) -> list[list[int]]:
+    """The positions of a row each of C context ranks holds, in increasing order.
+
+    ``contiguous``: rank c holds [c T/C, (c+1) T/C). ``zigzag`` (Megatron-LM's and
+    torchtitan's load balance under causal attention): the row cut into 2C chunks of
+    T/(2C), rank c holding chunks c and 2C - 1 - c.
+    """
+    if order not in CONTEXT_ORDERS:
+        raise BatchError(f"context order must be one of {', '.join(CONTEXT_ORDERS)}, got {order!r}")
+    chunks = context_size * (2 if order == "zigzag" else 1)
+    if context_size < 1 or seq_len % chunks:
+        raise BatchError(
+            f"rows of {seq_len} positions cannot be split over {context_size} context ranks "
+            f"({order}): {seq_len} is not divisible by {chunks}"
+        )
+    width = seq_len // chunks
+    held: list[list[int]] = [[] for _ in range(context_size)]
+    for chunk in range(chunks):
+        rank = chunk if chunk < context_size else chunks - 1 - chunk
+        held[rank].extend(range(chunk * width, (chunk + 1) * width))
+    return [sorted(positions) for positions in held]
+
+
+def context_microbatches(
+    batch: Mapping[str, np.ndarray],
+    process: int,
+    world_size: int,
+    context_size: int,
+    accum_steps: int,
+    order: str = "contiguous",
+) -> list[TokenBatch]:
+    """Process `process`'s M microbatches under context parallel: data-parallel rank
+    r = process // C's rows (`rank_microbatches`) at context rank c = process % C's
+    positions (`context_positions`), [B, T/C] each; `rank` is the process."""
+    if not 0 <= process < world_size * context_size:
+        raise BatchError(
+            f"process {process} is not one of world_size={world_size} x context_size={context_size}"
+        )
+    rank, context_rank = divmod(process, context_size)
+    seq_len = int(np.shape(batch["targets"])[1])
+    positions = torch.tensor(context_positions(seq_len, context_size, order)[context_rank])
+    token_keys = (*BATCH_KEYS, "document_ids")
+    return [
+        mb._replace(
+            **{
+                key: getattr(mb, key)[:, positions]
+                for key in token_keys
+                if getattr(mb, key) is not None
+            },
+            rank=process,
+            context_rank=context_rank,
+            context_size=context_size,
+        )
+        for mb in rank_microbatches(batch, rank, world_size, accum_steps)
+    ]
 
 
 _OPTIONAL_DTYPES = {

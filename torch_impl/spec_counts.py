@@ -15,6 +15,14 @@ into a vector indexed by id:
 Without ``group_ids`` each row is its own group and without ``document_ids`` each (row,
 segment) pair is a document (the doc's defaults): exactly ``row`` and ``segment``.
 
+Context parallel (docs/contract.md#context-parallel; microbatches from
+``torch_impl.batch.context_microbatches``): a process holds a part of every row of its
+microbatches, and the C processes of a data-parallel rank hold the same rows. Rows and
+segments then cross processes: they get global ids (the row's index in the global batch;
+row x (S + 1) + segment id), counted like groups and documents, their update-scope vectors
+summed by the pre-pass; and a part of D summed over processes that counts rows (the
+absolute row weights) is this process's share only on context rank 0.
+
 With :math:`n_G(t) = \sum_{u: G(u) = G(t),\ u \in \mathrm{unit}_C(t)} m_u`, the numerator is
 :math:`a_t = m_t s_t n_G(t)^{-\alpha}` (0 where :math:`m_t = 0`, never 0/0) and the
 denominator of a unit u (``SpecView.unit_denominator``) is the doc's table. ``power_sum`` is
@@ -50,13 +58,17 @@ class Position:
 
 @dataclass(frozen=True, slots=True)
 class IdBounds:
-    """Largest ``group_ids`` / ``document_ids`` value + 1 over the whole update (0: absent).
+    """Largest ``group_ids`` / ``document_ids`` value + 1 over the whole update (0: absent);
+    under context parallel also the rows (largest global row index + 1) and the segment ids'
+    (largest + 1), the lengths of the rows' and segments' global ids.
 
     Every rank must use the same bounds: they are the lengths of the vectors all-reduced.
     """
 
     groups: int = 0
     documents: int = 0
+    rows: int = 0
+    segments: int = 0
 
     @classmethod
     def of(cls, microbatches: Sequence[TokenBatch]) -> IdBounds:
@@ -66,7 +78,15 @@ class IdBounds:
             values = [getattr(b, key) for b in microbatches if getattr(b, key) is not None]
             return max((int(v.max()) + 1 for v in values if v.numel()), default=0)
 
-        return cls(bound("group_ids"), bound("document_ids"))
+        rows = max((b.first_row + b.targets.shape[0] for b in microbatches), default=0)
+        return cls(bound("group_ids"), bound("document_ids"), rows, bound("segment_ids"))
+
+    def agreed(self, other: IdBounds) -> IdBounds:
+        """The larger of each bound (two processes' bounds, or what a MAX collective gives)."""
+        return IdBounds(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=True)))
+
+    def as_list(self) -> list[int]:
+        return [self.groups, self.documents, self.rows, self.segments]
 
 
 def effective_grouping(grouping: str, batch: TokenBatch) -> str:
@@ -131,6 +151,14 @@ class SpecView:
             )
         self.spec, self.microbatches = spec, microbatches
         self.position, self.bounds = position, bounds
+        contexts = {(b.context_rank, b.context_size) for b in microbatches}
+        if len(contexts) > 1:
+            raise ValueError(
+                f"rank {position.rank}: microbatches of several context ranks {sorted(contexts)}"
+            )
+        self.context_rank, context_size = contexts.pop() if contexts else (0, 1)
+        #: Groupings whose groups stay inside one microbatch: none under context parallel.
+        self.local_groupings = LOCAL_GROUPINGS if context_size == 1 else ()
         w, d = spec.weight, spec.denominator
         self.weight_group = self._grouping(w.group)
         self.den_group = self._grouping(d.group)
@@ -155,6 +183,13 @@ class SpecView:
         """Per-token ids [B, T] of a grouping, and the length of its count vector."""
         p, shape = self.position, batch.targets.shape
         rows = torch.arange(shape[0])[:, None].expand(shape)
+        if grouping in ("row", "segment") and grouping not in self.local_groupings:
+            # Context parallel: ids of the global batch, the same on every process of a row.
+            rows = rows + batch.first_row
+            if grouping == "row":
+                return rows, self.bounds.rows
+            width = self.bounds.segments
+            return rows * width + batch.segment_ids, self.bounds.rows * width
         if grouping == "row":
             return rows, shape[0]
         if grouping == "segment":
@@ -200,9 +235,9 @@ class SpecView:
         """(name, length) of every vector this spec needs summed over the whole update."""
         w, d, U = self.spec.weight, self.spec.denominator, self.spec.scope
         parts = []
-        if self.weight_group not in ("none", *LOCAL_GROUPINGS) and w.count_scope == "update":
+        if self.weight_group not in ("none", *self.local_groupings) and w.count_scope == "update":
             parts.append("weight_count")
-        if self.den_group not in LOCAL_GROUPINGS:
+        if self.den_group not in self.local_groupings:
             if (d.kind == "groups" and U == "update") or (
                 d.kind == "power_sum" and w.count_scope == "update"
             ):
@@ -241,7 +276,7 @@ class SpecView:
 
     def _is_local(self, name: str) -> bool:
         group = self.weight_group if name == "weight_count" else self.den_group
-        return group in LOCAL_GROUPINGS
+        return group in self.local_groupings
 
     # -- numerator and denominators -----------------------------------------------------------
 
@@ -290,7 +325,7 @@ class SpecView:
                 for b in batches
             )
         name = "den_present" if d.kind == "all_groups" else "den_count"
-        if self.den_group in LOCAL_GROUPINGS:
+        if self.den_group in self.local_groupings:
             # Groups inside single microbatches: the unit's value is the sum of theirs.
             return math.fsum(self._group_value(self.vectors[name][s]) for s in steps)
         if scope == "update":
@@ -322,7 +357,7 @@ class SpecView:
             return False
         if (
             d.kind in ("groups", "all_groups", "power_sum")
-            and self.den_group not in LOCAL_GROUPINGS
+            and self.den_group not in self.local_groupings
         ):
             # A global id grouping: counts of the whole update, unless power_sum counts at a
             # scope inside the update (then every rank's cells are its own: a sum again).
@@ -332,6 +367,9 @@ class SpecView:
     def update_share(self) -> float:
         """This rank's share of an additive update-scope D (no collective needed: local)."""
         if not self.additive():
+            return 0.0
+        if self.spec.denominator.kind == "abs_row_weight_sum" and self.context_rank != 0:
+            # Every context rank of a data rank holds the same rows: one of them counts them.
             return 0.0
         return self.unit_denominator(range(len(self.microbatches)), "rank", {})
 

@@ -65,6 +65,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -170,10 +171,10 @@ def spec_view(
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if _distributed() else (0, 1)
     position = Position(rank, world, len(microbatches))
     view = SpecView(spec, microbatches, position, id_bounds or IdBounds.of(microbatches))
-    global_ids = {view.weight_group, view.den_group} & {"group", "document"}
+    id_groupings = {"group", "document", *({"row", "segment"} - set(view.local_groupings))}
+    global_ids = {view.weight_group, view.den_group} & id_groupings
     if id_bounds is None and _distributed() and view.global_parts() and global_ids:
-        local = IdBounds.of(microbatches)
-        bounds = torch.tensor([local.groups, local.documents], dtype=torch.int64)
+        bounds = torch.tensor(IdBounds.of(microbatches).as_list(), dtype=torch.int64)
         _bounded(bounds, dist.ReduceOp.MAX, group, timeout_s, "agreement on id bounds")
         view = SpecView(spec, microbatches, position, IdBounds(*map(int, bounds.tolist())))
     return view
@@ -507,22 +508,28 @@ def layout_plans(
     batch: Mapping[str, Any],
     world_size: int,
     accum_steps: int,
+    context_size: int = 1,
+    context_order: str = "contiguous",
 ) -> list[tuple[list[TokenBatch], SpecView, UpdatePlan]]:
-    """Every rank's microbatches, view and plan of a global batch [N, T] under layout (R, M),
-    in one process.
+    """Every process's microbatches, view and plan of a global batch [N, T] under layout
+    (R, M), every row's positions over `context_size` context ranks, in one process.
 
-    Every rank's view is built here and the pre-pass sums their vectors by hand: the same
-    numbers the ranks of a real launch compute, for tests and for looking at a spec without
-    starting processes.
+    Every process's view is built here and the pre-pass sums their vectors by hand: the same
+    numbers the processes of a real launch compute, for tests and for looking at a spec
+    without starting processes.
     """
-    from torch_impl.batch import rank_microbatches
+    from torch_impl.batch import context_microbatches
 
     spec = get_spec(spec)
-    ranks = [rank_microbatches(batch, r, world_size, accum_steps) for r in range(world_size)]
+    processes = world_size * context_size
+    ranks = [
+        context_microbatches(batch, p, world_size, context_size, accum_steps, context_order)
+        for p in range(processes)
+    ]
     bounds = IdBounds.of([b for mbs in ranks for b in mbs])
     views = [
-        SpecView(spec, mbs, Position(r, world_size, accum_steps), bounds)
-        for r, mbs in enumerate(ranks)
+        SpecView(spec, mbs, Position(p, processes, accum_steps), bounds)
+        for p, mbs in enumerate(ranks)
     ]
     summed = torch.stack([v.local_prepass() for v in views]).sum(dim=0)
     return [
@@ -536,10 +543,21 @@ def layout_weights(
     batch: Mapping[str, Any],
     world_size: int,
     accum_steps: int,
+    context_size: int = 1,
+    context_order: str = "contiguous",
 ) -> torch.Tensor:
-    """c_t = a_t / D_u / K of a global batch [N, T] under layout (R, M), in one process: each
-    microbatch's weights of ``layout_plans``, over D or K."""
-    ranks = layout_plans(spec, batch, world_size, accum_steps)
-    D = ranks[0][2].denominator([view.update_share() for _, view, _ in ranks])
-    rows = torch.cat([w for _, _, plan in ranks for w in plan.weights])
-    return rows / D if D else torch.zeros_like(rows)
+    """c_t = a_t / D_u / K of a global batch [N, T] under layout (R, M, C), in one process:
+    each microbatch's weights of ``layout_plans``, over D or K, put back at their rows and
+    positions."""
+    from torch_impl.batch import context_positions
+
+    plans = layout_plans(spec, batch, world_size, accum_steps, context_size, context_order)
+    D = plans[0][2].denominator([view.update_share() for _, view, _ in plans])
+    shape = tuple(np.shape(batch["targets"]))
+    positions = context_positions(shape[1], context_size, context_order)
+    weights = torch.zeros(shape, dtype=torch.float64)
+    for mbs, _, plan in plans:
+        for mb, w in zip(mbs, plan.weights, strict=True):
+            rows = slice(mb.first_row, mb.first_row + w.shape[0])
+            weights[rows, positions[mb.context_rank]] = w
+    return weights / D if D else torch.zeros_like(weights)
