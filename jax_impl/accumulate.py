@@ -112,6 +112,10 @@ class RankGradients(NamedTuple):
     loss: jax.Array  # the objective L
 
 
+#: The mapped axis a rank's collectives name: the data-parallel axis, or (data axis, context
+#: axis) under context parallel (`jax_impl.context_parallel`), where a "rank" is a process.
+AxisName = str | tuple[str, ...]
+
 #: The signature every per-rank gradient function has (intended, or a reproduced bug):
 #: (params, rank_batch [M, B, T], axis name) -> gradients.
 RankGradientsFn = Callable[[Params, Batch, str], RankGradients]
@@ -148,7 +152,7 @@ def unit_denominator(
     return D if parts.derived_float is None else D + parts.derived_float
 
 
-def update_channels(parts: DenominatorParts, axis_name: str) -> tuple[jax.Array, ExactSum]:
+def update_channels(parts: DenominatorParts, axis_name: AxisName) -> tuple[jax.Array, ExactSum]:
     """This rank's additive channels for a psum over ranks: the int32 count (the M
     microbatches' and the rank-level one) and the weight pair in this rank's slot."""
     count = jnp.sum(parts.mb_count, dtype=jnp.int32) + parts.rank_count
@@ -189,7 +193,7 @@ class RankPlan(NamedTuple):
 def rank_plan(
     spec: SchemeSpec,
     rank_batch: Batch,
-    axis_name: str,
+    axis_name: AxisName,
     strategy: Strategy = Strategy.PRECOUNT,
     collective: Collective = Collective.PSUM,
     scale_override: float | None = None,
@@ -294,7 +298,7 @@ def finish_rank(
     plan: RankPlan,
     sums: tuple[Params, jax.Array],
     rank_batch: Batch,
-    axis_name: str,
+    axis_name: AxisName,
     strategy: Strategy = Strategy.PRECOUNT,
     collective: Collective = Collective.PSUM,
 ) -> RankGradients:
@@ -341,7 +345,7 @@ def finish_rank(
 def rank_gradients(
     params: Params,
     rank_batch: Batch,
-    axis_name: str,
+    axis_name: AxisName,
     *,
     spec: SchemeSpec,
     strategy: Strategy = Strategy.PRECOUNT,

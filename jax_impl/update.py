@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from jax_impl.accumulate import (
+    AxisName,
     Collective,
     RankGradients,
     RankGradientsFn,
@@ -98,7 +99,10 @@ def over_configs(
 
 
 def sweep_rank_gradients(
-    configs: Sequence[StepConfig], params: Sequence[Params], rank_batch: Batch, axis_name: str
+    configs: Sequence[StepConfig],
+    params: Sequence[Params],
+    rank_batch: Batch,
+    axis_name: AxisName,
 ) -> list[RankGradients]:
     """Every config's reduced gradient, as one rank sees it; call inside `axis_name`'s mapping.
 

@@ -67,12 +67,6 @@ class Layout:
         return self.world_size * self.accum_steps
 
     @property
-    def num_processes(self) -> int:
-        """R * C: the processes of one update, data-parallel rank r and context rank c being
-        process r C + c."""
-        return self.world_size * self.context_size
-
-    @property
     def chunks(self) -> int:
         """How many equal chunks a row's positions are cut into: C, or 2 C for zigzag."""
         return self.context_size * (2 if self.context_order == "zigzag" else 1)
