@@ -13,11 +13,20 @@ pytest_plugins = ["pytester"]
 TESTS = Path(__file__).resolve().parent
 
 LEAKING_TEST = """
+import pathlib
 import subprocess
+import time
 
 
 def test_leaves_a_process_running():
-    subprocess.Popen(["sleep", "60"])
+    child = subprocess.Popen(["sleep", "60"])
+    # Until its exec, /proc shows the child as a fork of this process, whose environment
+    # block is this process's at its own start, without the marker conftest added later: the
+    # audit could run before the exec and miss it. Wait for the exec (bounded).
+    cmdline = pathlib.Path(f"/proc/{child.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while not cmdline.read_bytes().startswith(b"sleep") and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_leaves_nothing():

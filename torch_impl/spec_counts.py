@@ -81,11 +81,8 @@ class IdBounds:
         rows = max((b.first_row + b.targets.shape[0] for b in microbatches), default=0)
         return cls(bound("group_ids"), bound("document_ids"), rows, bound("segment_ids"))
 
-    def agreed(self, other: IdBounds) -> IdBounds:
-        """The larger of each bound (two processes' bounds, or what a MAX collective gives)."""
-        return IdBounds(*(max(a, b) for a, b in zip(self.as_list(), other.as_list(), strict=True)))
-
     def as_list(self) -> list[int]:
+        """The bounds in field order: what the ranks agree on with one MAX all-reduce."""
         return [self.groups, self.documents, self.rows, self.segments]
 
 
