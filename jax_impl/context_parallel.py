@@ -14,6 +14,8 @@ pre-pass and of D is the update's (a row's count gathered over the context axis,
 count summed over every process; `jax_impl.spec_counts`), and the gradient is the psum over
 all R C processes. The objective does not depend on C or the order; on the bilinear model
 tokens do not interact, so the split shows the counts only.
+`make_context_parallel_global_sweep` is the same update as one global-view ``jax.jit`` over
+the batch placed with NamedSharding on ("data", "context").
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_impl.batch import Batch, lay_out_global_batch
 from jax_impl.devices import require_devices
+from jax_impl.global_step import auto_mesh, check_global_configs, global_sweep
 from jax_impl.shard_map_step import replicate
 from jax_impl.update import (
     GradientsFn,
@@ -132,6 +135,16 @@ def make_context_parallel_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> Sw
             out_specs=tuple(out_spec for _ in configs),
         )
     )
+
+    def replicated(params, batch) -> tuple[ReducedGradients, ...]:
+        return mapped(replicate(params, mesh), batch)
+
+    return sweep_from(replicated, len(configs), _placer(mesh))
+
+
+def _placer(mesh: Mesh):
+    """place(batch): a numpy [R, C, M, B, T/C] batch checked against the mesh and sharded
+    with NamedSharding(mesh, P("data", "context")); a placed one passes through."""
     grid = (mesh.shape["data"], mesh.shape["context"])
 
     def place(batch: Batch) -> Batch:
@@ -145,10 +158,37 @@ def make_context_parallel_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> Sw
             batch = jax.device_put(batch, NamedSharding(mesh, P(*AXES)))
         return batch
 
-    def replicated(params, batch) -> tuple[ReducedGradients, ...]:
-        return mapped(replicate(params, mesh), batch)
+    return place
 
-    return sweep_from(replicated, len(configs), place)
+
+def make_context_parallel_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
+    """sweep(params per config, batch [R, C, M, B, T/C]) -> one ReducedGradients per config,
+    as one global-view ``jax.jit``: the program is written for the whole batch, placed with
+    NamedSharding over ("data", "context"), and XLA inserts the reductions
+    (`jax_impl.global_step`, its per-process counts under one vmap per mesh axis). Per-process
+    fields come back as [R, C]; the configs take psum and no reduction factor, as there."""
+    configs = check_global_configs(configs)
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"context parallel: the mesh axes must be {AXES}, got {mesh.axis_names}")
+    mesh = auto_mesh(mesh)
+    grid = (mesh.shape["data"], mesh.shape["context"])
+
+    def all_configs(params, batch):
+        outs = global_sweep(configs, params, batch, AXES)
+        return tuple(
+            out._replace(
+                rank_valid_tokens=out.rank_valid_tokens.reshape(grid),
+                rank_loss_sums=out.rank_loss_sums.reshape(grid),
+            )
+            for out in outs
+        )
+
+    jitted = jax.jit(all_configs)
+
+    def replicated(params, batch) -> tuple[ReducedGradients, ...]:
+        return jitted(replicate(params, mesh), batch)
+
+    return sweep_from(replicated, len(configs), _placer(mesh))
 
 
 def make_context_parallel_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:

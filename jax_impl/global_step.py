@@ -22,6 +22,7 @@ dtype, the gradient in the params' dtype.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh
 
 from jax_impl.accumulate import (
+    AxisName,
     Collective,
     Strategy,
     local_denominators,
@@ -72,12 +74,18 @@ class GlobalPlan(NamedTuple):
 
 
 def global_plan(
-    batch: Batch, spec: SchemeSpec, strategy: Strategy, axis_name: str = "data"
+    batch: Batch, spec: SchemeSpec, strategy: Strategy, axis_name: AxisName = "data"
 ) -> GlobalPlan:
     """The per-rank terms under ``vmap(axis_name=...)``, so that their psums are sums over the
     rank axis: a_t, and the scale 1 / D (U = update; 1 in postnorm, where D divides after)
-    or 1 / (K D_u) (U = rank or microbatch: no reduction to postpone)."""
-    R, M = batch.targets.shape[:2]
+    or 1 / (K D_u) (U = rank or microbatch: no reduction to postpone).
+
+    Under context parallel `axis_name` is ("data", "context") and the batch [R, C, M, B, T/C]:
+    the per-process terms run under one vmap per axis, and the plan comes back with the
+    R C processes as its ranks, [R C, M, ...] (process r C + c)."""
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    lead = batch.targets.shape[: len(axes)]
+    R, M = math.prod(lead), batch.targets.shape[len(axes)]
     K = unit_count(spec, R, M)
 
     def per_rank(rank_batch: Batch):
@@ -92,7 +100,12 @@ def global_plan(
             scale = unit_scale(D_units, 1, K)
         return terms.token_weights, jnp.broadcast_to(scale, (M,)), D_units
 
-    a, scale, D_units = jax.vmap(per_rank, axis_name=axis_name)(batch)  # [R, M, ...]
+    per_process = per_rank
+    for name in reversed(axes):  # the outer axis last: vmap over data of vmap over context
+        per_process = jax.vmap(per_process, axis_name=name)
+    a, scale, D_units = jax.tree.map(
+        lambda x: x.reshape(R, *x.shape[len(axes) :]), per_process(batch)
+    )  # [R, M, ...]
     if strategy is Strategy.POSTNORM and spec.scope == "update":
         scale = jnp.ones_like(scale)
     return GlobalPlan(a, scale, D_units)
@@ -177,8 +190,10 @@ def global_gradients(
     token_losses_fn: TokenLossesFn | None = None,
 ) -> ReducedGradients:
     """The gradient of one update over the global [R, M, B, T] batch (see the module doc):
-    `global_plan`, `global_accumulate`, `global_finish`."""
+    `global_plan`, `global_accumulate`, `global_finish`. Under context parallel (`axis_name`
+    a pair of axes, the batch [R, C, M, B, T/C]) the R C processes are its ranks."""
     plan = global_plan(batch, spec, strategy, axis_name)
+    batch = processes_as_ranks(batch, axis_name)
     sums = global_accumulate(
         params, batch, plan.token_weights, plan.scale, one_scale=spec.scope == "update",
         token_losses_fn=token_losses_fn,
@@ -186,7 +201,7 @@ def global_gradients(
     return global_finish(spec, strategy, plan, sums, batch)
 
 
-def _global_sweep(
+def global_sweep(
     configs: Sequence[StepConfig], params: Sequence[Params], batch: Batch, axis_name: str
 ) -> list[ReducedGradients]:
     """Every config's gradient: configs of one model and one kind of scale share one scan,
@@ -201,28 +216,33 @@ def _global_sweep(
         plans = [
             global_plan(batch, configs[i].scheme, configs[i].strategy, axis_name) for i in members
         ]
+        ranks_batch = processes_as_ranks(batch, axis_name)
         accumulate = functools.partial(
             global_accumulate, one_scale=one_scale, token_losses_fn=token_losses_fn
         )
         sums = over_configs(
             accumulate,
             [params[i] for i in members],
-            batch,
+            ranks_batch,
             [plan.token_weights for plan in plans],
             [plan.scale for plan in plans],
         )
         for i, plan, own in zip(members, plans, sums, strict=True):
-            out[i] = global_finish(configs[i].scheme, configs[i].strategy, plan, own, batch)
+            out[i] = global_finish(configs[i].scheme, configs[i].strategy, plan, own, ranks_batch)
     return out  # type: ignore[return-value]
 
 
-def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
-    """sweep(params per config, batch [R, M, B, T]) -> one ReducedGradients per config.
+def processes_as_ranks(batch: Batch, axis_name: AxisName) -> Batch:
+    """The batch with every process a rank: [R, C, M, ...] -> [R C, M, ...] under context
+    parallel (process r C + c); as it is otherwise."""
+    if isinstance(axis_name, str) or len(axis_name) == 1:
+        return batch
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[len(axis_name) :]), batch)
 
-    The batch's rank axis is sharded over the mesh's only axis; R must equal the mesh size.
-    A config asking for pmean, a reduction factor or a replaced per-rank gradient is refused:
-    there is no collective here for them to act on.
-    """
+
+def check_global_configs(configs: Sequence[StepConfig]) -> tuple[StepConfig, ...]:
+    """The configs (`check_sweep`), refusing pmean, a reduction factor or a replaced per-rank
+    gradient: there is no collective in a global-view program for them to act on."""
     configs = check_sweep(configs)
     for config in configs:
         if (
@@ -236,10 +256,21 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
                 f"collective={config.collective.value!r}, "
                 f"reduce_factor={config.reduce_factor!r}, gradients={config.gradients!r}"
             )
+    return configs
+
+
+def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
+    """sweep(params per config, batch [R, M, B, T]) -> one ReducedGradients per config.
+
+    The batch's rank axis is sharded over the mesh's only axis; R must equal the mesh size.
+    A config asking for pmean, a reduction factor or a replaced per-rank gradient is refused:
+    there is no collective here for them to act on.
+    """
+    configs = check_global_configs(configs)
     (axis,) = mesh.axis_names
 
     def all_configs(params, batch):
-        return tuple(_global_sweep(configs, params, batch, axis))
+        return tuple(global_sweep(configs, params, batch, axis))
 
     jitted = jax.jit(all_configs)
 

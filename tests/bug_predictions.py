@@ -14,7 +14,8 @@ from collections.abc import Callable
 import numpy as np
 
 from crosscheck.contract.layout import IGNORE_INDEX
-from crosscheck.diagnosis.patterns import RANK_SKEW
+from crosscheck.contract.oracle import weighted_grad
+from crosscheck.diagnosis.patterns import RANK_SKEW, BugRun
 from crosscheck.fixtures.builtin import builtin_fixture
 
 
@@ -85,6 +86,7 @@ LOGGED_DENOMINATOR: dict[str, Callable[[dict[str, float], int], float]] = {
     "padding-as-tokens": lambda c, R: c["slots"],
     "local-group-count": lambda c, R: c["groups"],
     "zero-count-nan": lambda c, R: c["rank0_last_microbatch"],
+    "pp-count-on-last-stage-only": lambda c, R: c["D"],
     RANK_SKEW: lambda c, R: c["D"],
     # float32-count: the float32 rounding of the weight total, which each test checks itself.
 }
@@ -102,3 +104,80 @@ TOKEN_MEAN_SCALE: dict[str, Callable[[dict[str, float], int, int], float]] = {
     "unshifted-count": lambda c, R, M: c["D"] / (c["D"] + c["rows"]),
     "attention-mask-count": lambda c, R, M: c["D"] / c["attended"],
 }
+
+
+# --- context parallel ------------------------------------------------------------------------
+
+#: The context-parallel patterns: their predictions are `context_parallel_prediction`'s.
+CONTEXT_PARALLEL = (
+    "cp-local-count",
+    "cp-count-over-replicas",
+    "cp-count-over-dp-only",
+    "missing-cp-compensation",
+    "cp-local-sequence-count",
+)
+
+
+def context_rank_of_position(T: int, C: int, order: str) -> np.ndarray:
+    """[T] the context rank holding each position, from the contract's words: C equal chunks
+    in order (contiguous), or 2 C chunks with rank c holding chunks c and 2 C - 1 - c
+    (zigzag)."""
+    chunks = 2 * C if order == "zigzag" else C
+    chunk = np.arange(T) // (T // chunks)
+    return np.where(chunk < C, chunk, chunks - 1 - chunk)
+
+
+def context_parallel_prediction(run: BugRun) -> tuple[np.ndarray, float]:
+    """([N, T] effective weights, logged denominator) of a context-parallel pattern's text,
+    on run's fixture and (R, M, C, order)."""
+    fixture = builtin_fixture(run.fixture)
+    valid = fixture.targets != IGNORE_INDEX
+    N, T = valid.shape
+    R, M, C = run.world_size, run.accum_steps, run.context_size
+    B = N // (R * M)
+    context = np.broadcast_to(context_rank_of_position(T, C, run.context_order), (N, T))
+    rank = np.broadcast_to((np.arange(N) // B // M)[:, None], (N, T))
+    process = rank * C + context
+    D = float(valid.sum())
+    v = valid.astype(np.float64)
+    if run.pattern == "cp-local-count":
+        n_process = np.bincount(process[valid], minlength=R * C).astype(np.float64)
+        return v / (R * C * np.maximum(n_process[process], 1)), n_process[0]
+    if run.pattern in ("cp-count-over-replicas", "missing-cp-compensation"):
+        logged = C * D if run.pattern == "cp-count-over-replicas" else D
+        return v / (C * D), logged
+    if run.pattern == "cp-count-over-dp-only":
+        n_context = np.bincount(context[valid], minlength=C).astype(np.float64)
+        # A context rank with no valid target weighs nothing (its count is 0 and so is v).
+        per_token = n_context[context]
+        weights = np.divide(v, per_token, out=np.zeros((N, T)), where=per_token > 0)
+        return weights, n_context[0]
+    if run.pattern == "cp-local-sequence-count":
+        # A document is a (row, segment); its local part is the one on t's context rank (a
+        # row lies in one rank and microbatch, so that is t's process and microbatch).
+        rows_of_targets = np.nonzero(valid)[0]  # row-major, as boolean indexing reads
+        documents = set(
+            zip(rows_of_targets.tolist(), fixture.segment_ids[valid].tolist(), strict=True)
+        )
+        weights = np.zeros((N, T))
+        for i in range(N):
+            for t in np.flatnonzero(valid[i]):
+                same = (fixture.segment_ids[i] == fixture.segment_ids[i, t]) & (
+                    context[i] == context[i, t]
+                )
+                weights[i, t] = 1.0 / np.count_nonzero(same & valid[i])
+        return weights / len(documents), float(len(documents))
+    raise AssertionError(f"no context-parallel prediction for {run.pattern!r}")
+
+
+# --- pipeline --------------------------------------------------------------------------------
+
+
+def pipeline_prediction(run: BugRun) -> dict[str, np.ndarray]:
+    """pp-count-on-last-stage-only's text: the last stage (unembed) as intended, every earlier
+    stage (embed) D times its intended token-mean gradient."""
+    fixture = builtin_fixture(run.fixture)
+    valid = fixture.targets != IGNORE_INDEX
+    D = float(valid.sum())
+    grads = weighted_grad(fixture.params(), fixture.inputs, fixture.targets, valid / D)
+    return {"embed": D * grads["embed"], "unembed": grads["unembed"]}

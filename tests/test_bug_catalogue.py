@@ -115,8 +115,10 @@ def test_rank_mean_on_seed_is_nine(report):
 def test_scale_patterns_report_their_scale(report):
     data = report
     for record in data["results"]:
-        R, M = record["world_size"], record["accum_steps"]
+        R, M, C = record["world_size"], record["accum_steps"], record["context_size"]
         expected = {
+            "cp-count-over-replicas": 1 / C,
+            "missing-cp-compensation": 1 / C,
             "missing-world-size": 1 / R,
             "double-reduce-count": 1 / R,
             "double-world-size": R,

@@ -11,7 +11,11 @@ from crosscheck.contract.schemes import INTENDED_SCHEMES, resolve_scheme
 from crosscheck.diagnosis import candidates
 from crosscheck.diagnosis.diagnose import AMBIGUOUS, CONDITION_LIMIT, UNKNOWN, diagnose
 from crosscheck.diagnosis.explain import guide
-from crosscheck.diagnosis.patterns import CLIP_PER_MICROBATCH_NORM, PATTERNS
+from crosscheck.diagnosis.patterns import (
+    CLIP_PER_MICROBATCH_NORM,
+    PATTERNS,
+    PIPELINE_STAGE_PARAMS,
+)
 from crosscheck.fixtures.builtin import BUILTIN_FIXTURES, builtin_fixture
 from crosscheck.judge.compare import FLOAT32_RTOL, FLOAT64_RTOL
 
@@ -53,13 +57,41 @@ def test_intended_gradient_is_not_a_false_alarm(fixture_name, scheme):
         assert d.well_posed and d.condition_number < 10, where
 
 
-def _prediction(pattern: str, fixture: Fixture, R: int, M: int):
+#: Context-parallel layouts (R, M, C, order) of the 8 x 64 fixtures: both orders, C = 2 and 4.
+CONTEXT_LAYOUTS = ((1, 1, 2, "contiguous"), (2, 1, 2, "zigzag"), (1, 2, 4, "zigzag"))
+
+
+@pytest.mark.parametrize("fixture_name", ["packed", "multimodal", "rollouts"])
+@pytest.mark.parametrize("scheme", INTENDED_SCHEMES)
+def test_intended_gradient_under_context_parallel_is_not_a_false_alarm(fixture_name, scheme):
+    """Split into context ranks' parts, the groups of a correct gradient still all weigh as
+    intended: nothing is detected, and no context-parallel pattern is named."""
+    fixture = builtin_fixture(fixture_name)
+    for R, M, C, order in CONTEXT_LAYOUTS:
+        grads = loss_and_grad(fixture, scheme, R, M).grads
+        d = diagnose(fixture, R, M, grads, scheme, context_size=C, context_order=order)
+        where = f"{fixture_name} {scheme} R={R} M={M} C={C} {order}"
+        assert d.best_match == scheme and not d.detected, (where, d.matches)
+        assert abs(d.scale - 1.0) <= FLOAT64_RTOL, where
+        # As above: the recovered weights of a float64 gradient are exact to ~1e-14.
+        assert abs(d.weight_ratio - 1) <= 1e-9, where
+        assert d.well_posed, where
+
+
+def _prediction(pattern: str, fixture: Fixture, R: int, M: int, C: int = 1, order: str = ""):
     """The oracle-side prediction of a pattern at a layout (what a faithful bug produces)."""
     spec = PATTERNS[pattern]
     scheme = resolve_scheme(spec.intended)
     batch = fixture.layout(R, M)
     w = batch.to_global(scheme.effective_weights(batch))
     D = scheme.global_denominator(batch)
+    if C > 1:
+        context_batch = fixture.layout(R, M, C, order)
+        pool = candidates.context_candidates(scheme, context_batch)
+        (match,) = [c for c in pool if c.name == pattern]
+        return match.weights, match.logged_denominator, D
+    if pattern == "pp-count-on-last-stage-only":  # the weights are right; the stages are not
+        return w, D, D
     if pattern == "local-group-count":
         (match,) = [c for c in candidates.local_mean_candidates(scheme, batch) if c.name == pattern]
         return match.weights, match.logged_denominator, D
@@ -81,21 +113,31 @@ def _prediction(pattern: str, fixture: Fixture, R: int, M: int):
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_catalogue_layouts_name_each_pattern_uniquely(pattern):
-    for fixture_name, R, M in PATTERNS[pattern].runs:
-        fixture = builtin_fixture(fixture_name)
-        weights, logged, D = _prediction(pattern, fixture, R, M)
+    for run in PATTERNS[pattern].runs:
+        fixture = builtin_fixture(run.fixture)
+        C, order = run.context_size, run.context_order
+        weights, logged, D = _prediction(
+            pattern, fixture, run.world_size, run.accum_steps, C, order
+        )
+        grads = _grad(fixture, weights)
+        stages = PIPELINE_STAGE_PARAMS if run.pipeline_stages > 1 else ()
+        if stages:  # every stage before the last keeps the unnormalized sum: D x its gradient
+            grads = {k: v * (D if k in stages[0] else 1.0) for k, v in grads.items()}
         d = diagnose(
             fixture,
-            R,
-            M,
-            _grad(fixture, weights),
+            run.world_size,
+            run.accum_steps,
+            grads,
             PATTERNS[pattern].intended,
+            pipeline_stages=stages,
             logged_denominator=logged,
             previous_denominators=(D,),
             max_grad_norm=CLIP_PER_MICROBATCH_NORM,
+            context_size=C,
+            context_order=order,
         )
-        assert d.detected, (pattern, fixture_name)
-        assert d.best_match == pattern, (pattern, fixture_name, d.matches, d.explanation)
+        assert d.detected, (pattern, str(run))
+        assert d.best_match == pattern, (pattern, str(run), d.matches, d.explanation)
         assert pattern in d.explanation or pattern.endswith("-mean")
 
 

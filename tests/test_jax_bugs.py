@@ -19,11 +19,14 @@ import numpy as np
 import pytest
 from bug_outputs import bug_output, judged_runs, skew_run
 from bug_predictions import (
+    CONTEXT_PARALLEL,
     LOGGED_DENOMINATOR,
     TOKEN_MEAN_SCALE,
+    context_parallel_prediction,
     counts,
     local_group_count_weights,
     microstep_mean_weights,
+    pipeline_prediction,
 )
 
 from crosscheck.bugs import jax_bugs
@@ -104,13 +107,15 @@ def test_every_run_produced_a_finite_synchronized_gradient() -> None:
 
 def test_the_catalogue_has_every_pattern_and_every_logged_rule() -> None:
     assert {run.pattern for run in CATALOGUE} == set(PATTERNS)
-    assert set(LOGGED_DENOMINATOR) | {"float32-count"} == set(PATTERNS) | {RANK_SKEW}
+    assert set(LOGGED_DENOMINATOR) | {"float32-count", *CONTEXT_PARALLEL} == set(PATTERNS) | {
+        RANK_SKEW
+    }
 
 
 def test_logged_denominators_are_the_ones_the_pattern_text_defines() -> None:
     for run in [*CATALOGUE, *SKEW_RUNS]:
-        if run.pattern == "float32-count":
-            continue  # its own test: the value depends on the float32 summation order
+        if run.pattern == "float32-count" or run.pattern in CONTEXT_PARALLEL:
+            continue  # their own tests: float32 summation order; the context split
         c = counts(run.fixture, run.world_size, run.accum_steps)
         want = LOGGED_DENOMINATOR[run.pattern](c, run.world_size)
         got = bug_output(run).logged_denominator
@@ -261,3 +266,26 @@ def test_the_runner_does_not_import_jax_in_the_calling_process() -> None:
         "assert 'jax' not in sys.modules, sorted(k for k in sys.modules if 'jax' in k)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=ROOT)
+
+
+CONTEXT_RUNS = [run for run in CATALOGUE if run.pattern in CONTEXT_PARALLEL]
+
+
+def test_context_parallel_steps_weigh_and_log_as_their_text_says() -> None:
+    """Every context-parallel run: the logged denominator exactly, and the gradient within
+    1e-12 of the weights the pattern's text gives (tests/bug_predictions.py)."""
+    assert {run.pattern for run in CONTEXT_RUNS} == set(CONTEXT_PARALLEL)
+    for run in CONTEXT_RUNS:
+        weights, logged = context_parallel_prediction(run)
+        out = bug_output(run)
+        got = out.logged_denominator
+        assert got == logged, f"{run.describe()}: logged {got}, the pattern defines {logged}"
+        _assert_close(run, out.grads, _grad(builtin_fixture(run.fixture), weights))
+
+
+def test_a_pipeline_count_on_the_last_stage_only_inflates_the_first_stage() -> None:
+    """The embedding (stage 0) D times its intended gradient, the unembedding as intended."""
+    runs = [run for run in CATALOGUE if run.pipeline_stages > 1]
+    assert {run.pattern for run in runs} == {"pp-count-on-last-stage-only"}
+    for run in runs:
+        _assert_close(run, bug_output(run).grads, pipeline_prediction(run))

@@ -4,7 +4,8 @@ Every scheme of the catalogue (v1's, the trainer modes and the accidental ones),
 strategies, on ``packed`` (several documents per row: segments cut by the context split),
 ``rollouts`` (prompt groups across ranks) and ``continued-documents`` (documents across rows
 and ranks), at DP x CP layouts in both orders: under ``jax.shard_map`` over a
-("data", "context") mesh, against `crosscheck.contract.oracle.loss_and_grad` with the same
+("data", "context") mesh and as one global-view ``jax.jit`` over the batch placed with
+NamedSharding on that mesh, against `crosscheck.contract.oracle.loss_and_grad` with the same
 context layout. x64 is global to a process and the mesh needs 8 host devices, so the JAX side
 runs in its own process (this file as a script); the fixtures share one shape, so one
 program per layout serves all three.
@@ -25,6 +26,9 @@ from crosscheck.fixtures.builtin import builtin_fixture
 RTOL = 1e-12
 #: (R, M, C, order): both orders, C in {2, 4}, data parallel and accumulation beside CP.
 LAYOUTS = [(2, 1, 2, "zigzag"), (1, 2, 4, "zigzag"), (2, 2, 2, "contiguous")]
+#: shard_map over the ("data", "context") mesh, and one global-view jit over the batch placed
+#: with NamedSharding on the same mesh.
+FRONT_ENDS = ("shard_map", "jit")
 
 
 def jax_results() -> dict:
@@ -36,6 +40,7 @@ def jax_results() -> dict:
     from jax_impl.context_parallel import (
         context_mesh,
         lay_out_context_parallel,
+        make_context_parallel_global_sweep,
         make_context_parallel_sweep,
     )
     from jax_impl.update import StepConfig
@@ -51,8 +56,12 @@ def jax_results() -> dict:
         "num_documents": max(int(f.document_ids.max()) + 1 for f in fixtures),
     }
     results = {}
-    for R, M, C, order in LAYOUTS:
-        sweep = make_context_parallel_sweep(configs, context_mesh(R, C))
+    for (R, M, C, order), front_end in [(layout, f) for layout in LAYOUTS for f in FRONT_ENDS]:
+        make_sweep = {
+            "shard_map": make_context_parallel_sweep,
+            "jit": make_context_parallel_global_sweep,
+        }[front_end]
+        sweep = make_sweep(configs, context_mesh(R, C))
         for fixture in fixtures:
             arrays = {key: getattr(fixture, key) for key in FIELDS}
             batch = lay_out_context_parallel(
@@ -60,7 +69,7 @@ def jax_results() -> dict:
             )
             outs = sweep([fixture.params()] * len(configs), batch)
             for (index, strategy), out in zip(cases, outs, strict=True):
-                results[fixture.name, R, M, C, order, strategy, index] = {
+                results[front_end, fixture.name, R, M, C, order, strategy, index] = {
                     "grads": {k: np.asarray(v) for k, v in out.grads.items()},
                     "loss": float(out.loss),
                     "rank_valid_tokens": np.asarray(out.rank_valid_tokens),
@@ -80,17 +89,18 @@ def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual - expected).max() / scale) if scale else float(np.abs(actual).max())
 
 
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
 @pytest.mark.parametrize("fixture_name", FIXTURES)
 @pytest.mark.parametrize(("R", "M", "C", "order"), LAYOUTS)
 def test_every_scheme_under_context_parallel_matches_the_oracle(
-    results, fixture_name, R, M, C, order
+    results, fixture_name, R, M, C, order, front_end
 ):
     fixture = builtin_fixture(fixture_name)
     problems = []
     for index, name in enumerate(scheme_names()):
         expected = loss_and_grad(fixture, name, R, M, context_size=C, context_order=order)
         for strategy in STRATEGIES:
-            got = results[fixture_name, R, M, C, order, strategy, index]
+            got = results[front_end, fixture_name, R, M, C, order, strategy, index]
             errors = [rel_err(got["grads"][k], g) for k, g in expected.grads.items()]
             if not max(errors) <= RTOL:
                 problems.append(f"{name} {strategy}: gradient {max(errors):.2e} from the oracle")

@@ -14,11 +14,14 @@ import numpy as np
 import pytest
 from bug_outputs import bug_output, judged_runs
 from bug_predictions import (
+    CONTEXT_PARALLEL,
     LOGGED_DENOMINATOR,
     TOKEN_MEAN_SCALE,
+    context_parallel_prediction,
     counts,
     local_group_count_weights,
     microstep_mean_weights,
+    pipeline_prediction,
 )
 
 from crosscheck.bugs import torch_bugs
@@ -78,6 +81,11 @@ def _rank_skew(bug_run: BugRun) -> Grads:
 def predicted_grads(bug_run: BugRun, logged: float) -> Grads:
     """What the pattern's text says the second window's gradient is."""
     fixture, R, M = builtin_fixture(bug_run.fixture), bug_run.world_size, bug_run.accum_steps
+    if bug_run.pattern == "pp-count-on-last-stage-only":
+        return pipeline_prediction(bug_run)
+    if bug_run.pattern in CONTEXT_PARALLEL:
+        c, _ = context_parallel_prediction(bug_run)
+        return weighted_grad(fixture.params(), fixture.inputs, fixture.targets, c)
     if bug_run.pattern in TOKEN_MEAN_SCALE:
         factor = TOKEN_MEAN_SCALE[bug_run.pattern](counts(fixture.name, R, M), R, M)
         return _scaled(loss_and_grad(fixture, "token_mean", R, M).grads, factor)
@@ -104,15 +112,16 @@ def predicted_grads(bug_run: BugRun, logged: float) -> Grads:
 
 def test_every_pattern_has_torch_runs_and_a_prediction() -> None:
     """A pattern added to the contract must get a torch loop, runs, and checks here."""
+    from torch_impl.harness.bugs_windows import PIPELINE_STEPS, WINDOW_STEPS
     from torch_impl.harness.bugs_windows import RANK_SKEW as TORCH_RANK_SKEW
-    from torch_impl.harness.bugs_windows import WINDOW_STEPS
 
     assert TORCH_RANK_SKEW == RANK_SKEW  # repeated there: torch_impl never imports crosscheck
     every = {*PATTERNS, RANK_SKEW}
-    assert set(WINDOW_STEPS) == every
+    assert {*WINDOW_STEPS, *PIPELINE_STEPS} == every
     assert {r.pattern for r in RUNS} == every
-    assert {*LOGGED_DENOMINATOR, "float32-count"} == every
+    assert {*LOGGED_DENOMINATOR, "float32-count", *CONTEXT_PARALLEL} == every
     predicted = {*TOKEN_MEAN_SCALE, *AS_SCHEME, "float32-count", "clip-per-microbatch", RANK_SKEW}
+    predicted |= {*CONTEXT_PARALLEL, "pp-count-on-last-stage-only"}
     # zero-count-nan's gradient is NaN, checked by its own test.
     assert predicted | {"local-group-count", "microstep-mean", "zero-count-nan"} == every
 
@@ -145,7 +154,10 @@ def test_logged_denominator(bug_run: BugRun) -> None:
         assert logged != c["weight_total"]
         assert abs(logged - c["weight_total"]) <= 1e-4 * c["weight_total"]
         return
-    expected = LOGGED_DENOMINATOR[bug_run.pattern](c, bug_run.world_size)
+    if bug_run.pattern in CONTEXT_PARALLEL:
+        expected = context_parallel_prediction(bug_run)[1]
+    else:
+        expected = LOGGED_DENOMINATOR[bug_run.pattern](c, bug_run.world_size)
     assert logged == expected, f"{bug_run.describe()}: logged {logged!r}, expected {expected!r}"
 
 

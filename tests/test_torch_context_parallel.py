@@ -6,8 +6,9 @@ counted by global id in the count pre-pass (``torch_impl.spec_counts``). In one 
 every scheme of the catalogue's weights c_t at DP x CP layouts in both orders
 (``torch_impl.update.layout_weights``, the processes' own code with the pre-pass summed by
 hand). On real gloo processes (one launch per process count, R C <= 4): DDP over all R C
-processes, precount and postnorm, every scheme, on ``packed``, ``rollouts`` and
-``continued-documents``, the gradient against the oracle's.
+processes, precount and postnorm, and FSDP2 over the flattened dimensions of a 2-D
+("dp", "cp") DeviceMesh with the counts over its group, every scheme, on ``packed``,
+``rollouts`` and ``continued-documents``, the gradient against the oracle's.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from crosscheck.contract.spec import get_spec as oracle_spec
 from crosscheck.fixtures.builtin import builtin_fixture
 from torch_impl.batch import BatchError, context_microbatches, context_positions
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
+from torch_impl.fsdp import context_parallel_mesh, shard_fsdp2
 from torch_impl.harness.launcher import launch
-from torch_impl.model import BilinearLM
+from torch_impl.model import BilinearLM, numpy_grads
 from torch_impl.update import accumulate_postnorm, accumulate_precount, layout_weights
 
 # float64 on both sides from the same exact counts; sums in another order: ~1e-15 relative.
@@ -43,6 +45,8 @@ WEIGHT_LAYOUTS = [
 ]
 #: Real launches, by process count R C: both orders, C in {2, 4}, DP and accumulation beside.
 LAUNCHES = {2: [(1, 2, 2, "zigzag")], 4: [(2, 1, 2, "contiguous"), (1, 1, 4, "zigzag")]}
+#: DDP over every process, precount and postnorm; FSDP2 on a 2-D mesh, precount.
+FRONT_ENDS = (*STRATEGIES, "fsdp2")
 
 
 def batch_of(fixture_name: str) -> dict[str, np.ndarray]:
@@ -80,8 +84,11 @@ def test_every_schemes_weights_under_context_parallel_are_the_oracles(fixture_na
 
 def _run_updates(process: int, processes: int, layouts: list[tuple]) -> dict:
     """On each process: every fixture, scheme and strategy at every layout, one update each on
-    DDP over all the processes (DDP averages: precount's s is the process count)."""
+    DDP over all the processes (DDP averages: precount's s is the process count), and precount
+    on FSDP2 over the flattened ("dp", "cp") dimensions of a 2-D DeviceMesh, its counts over
+    that mesh's group (FSDP2 averages too: s is again the process count)."""
     out = {}
+    meshes = {(R, C): context_parallel_mesh(R, C)[1] for R, _, C, _ in layouts}
     for fixture_name in FIXTURES:
         fixture, batch = builtin_fixture(fixture_name), batch_of(fixture_name)
         plain = DistributedDataParallel(BilinearLM.from_numpy(fixture.params()))
@@ -90,23 +97,30 @@ def _run_updates(process: int, processes: int, layouts: list[tuple]) -> dict:
         hooked.register_comm_hook(hook_state, sum_and_carry_hook)
         for R, M, C, order in layouts:
             microbatches = context_microbatches(batch, process, R, C, M, order)
+            dp_cp = meshes[R, C]
+            sharded = shard_fsdp2(
+                BilinearLM.from_numpy(fixture.params()), world_size=processes, mesh=dp_cp
+            )
             for name in scheme_names():
-                for strategy in STRATEGIES:
-                    model = plain if strategy == "precount" else hooked
+                for strategy in FRONT_ENDS:
+                    model = {"precount": plain, "postnorm": hooked, "fsdp2": sharded}[strategy]
                     model.zero_grad(set_to_none=True)
                     common = dict(vocab_size=fixture.vocab_size)
-                    if strategy == "precount":
-                        accumulate_precount(
-                            model, microbatches, name, reduce_factor=float(processes), **common
-                        )
-                    else:
+                    if strategy == "postnorm":
                         accumulate_postnorm(
                             model, microbatches, name, hook_state=hook_state, **common
                         )
-                    out[fixture_name, R, M, C, order, name, strategy] = {
-                        key.rsplit(".", 1)[-1]: p.grad.numpy().copy()
-                        for key, p in model.named_parameters()
-                    }
+                    else:
+                        group = dp_cp.get_group() if strategy == "fsdp2" else None
+                        accumulate_precount(
+                            model,
+                            microbatches,
+                            name,
+                            reduce_factor=float(processes),
+                            group=group,
+                            **common,
+                        )
+                    out[fixture_name, R, M, C, order, name, strategy] = numpy_grads(model)
     return out
 
 
@@ -120,20 +134,20 @@ def launched(processes: int) -> list[dict]:
 @pytest.mark.parametrize(
     ("R", "M", "C", "order"), [layout for layouts in LAUNCHES.values() for layout in layouts]
 )
-def test_ddp_over_every_process_gives_the_oracles_gradient(R, M, C, order, fixture_name):
+def test_ddp_and_fsdp2_over_every_process_give_the_oracles_gradient(R, M, C, order, fixture_name):
     fixture = builtin_fixture(fixture_name)
     outputs = launched(R * C)
     problems = []
     for name in scheme_names():
         expected = loss_and_grad(fixture, name, R, M, context_size=C, context_order=order).grads
-        for strategy in STRATEGIES:
+        for strategy in FRONT_ENDS:
             key = (fixture_name, R, M, C, order, name, strategy)
             got = outputs[0][key]
             for leaf, g in expected.items():
                 error = float(np.abs(got[leaf] - g).max() / np.abs(g).max())
                 if not error <= RTOL:
                     problems.append(f"{name} {strategy} {leaf}: {error:.2e}")
-            # DDP leaves every process the same reduced gradient.
+            # DDP leaves every process the same reduced gradient (FSDP2's is gathered whole).
             if not all(np.array_equal(out[key][k], got[k]) for out in outputs for k in got):
                 problems.append(f"{name} {strategy}: processes disagree")
     assert not problems, "\n".join(problems)

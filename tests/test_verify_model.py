@@ -246,7 +246,7 @@ def test_a_group_basis_of_the_analytic_model_diagnoses_as_its_jacobian_does(sche
     valid = fixture.valid
     matrix, _ = jacobian_group_basis(jacobian, group_of[valid], units[valid], len(keys))
     shapes = tuple((name, np.shape(params[name])) for name in sorted(params))
-    groups = np.array([(row, segment) for *_, row, segment in keys]).reshape(-1, 2)
+    groups = np.array([(key.row, key.segment) for key in keys]).reshape(-1, 2)
     basis = GroupBasis("ragged", matrix, shapes, groups)
     batch = fixture.layout(2, 2)
     for produced in (scheme, "rank_mean", "microbatch_mean"):

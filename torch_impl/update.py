@@ -285,6 +285,25 @@ def _precount_plan(
     return plan, dataclasses.replace(start, rank_counts=counts), D
 
 
+def count_update(
+    spec: SpecLike,
+    microbatches: Sequence[TokenBatch],
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = PRECHECK_TIMEOUT_S,
+) -> tuple[UpdatePlan, float]:
+    """The labels-only part of an update: precount's count collective over `group`, giving
+    every microbatch's a_t (a_t / D_u for a local scope) and D (K for a local scope), the
+    same on every rank of the group. A loop that runs the backward its own way (a pipeline
+    stage, `torch_impl.pipeline`) scales by 1 / D itself."""
+    spec = get_spec(spec)
+    start = starting_point(None, "precount", len(microbatches))
+    plan, _, D = _precount_plan(
+        spec, microbatches, start, group=group, id_bounds=None, timeout_s=timeout_s
+    )
+    return plan, D
+
+
 def _postnorm_plan(
     spec: SchemeSpec,
     microbatches: Sequence[TokenBatch],

@@ -31,6 +31,7 @@ from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
     NUM_WINDOWS,
     PATTERNS,
+    PIPELINE_STAGE_PARAMS,
     RANK_SKEW,
     BugOutput,
     BugRun,
@@ -85,6 +86,9 @@ class BugResult:
             "fixture": self.run.fixture,
             "world_size": self.run.world_size,
             "accum_steps": self.run.accum_steps,
+            "context_size": self.run.context_size,
+            "context_order": self.run.context_order,
+            "pipeline_stages": self.run.pipeline_stages,
             "dtype": self.run.dtype,
             "detected": self.detected,
             "diagnosed_as": self.diagnosed_as,
@@ -134,6 +138,10 @@ def diagnose_run(run: BugRun, output: BugOutput) -> Diagnosis:
         M,
         output.grads,
         scheme,
+        context_size=run.context_size,
+        context_order=run.context_order,
+        # The catalogue's pipelines are the two-stage cut of the bilinear model.
+        pipeline_stages=PIPELINE_STAGE_PARAMS if run.pipeline_stages > 1 else (),
         dtype=run.dtype,
         # Judged at the step's own dtype: the catalogue knows it, and its sensitivity figures
         # are each dtype's (an automatic verdict would accept a float64 step at float32-level).
@@ -288,15 +296,15 @@ def _on_fixtures(runs: list[BugRun], fixtures: Sequence[str]) -> list[BugRun]:
     such a run shows: a fixture on which two patterns coincide cannot name them apart."""
     moved: dict[BugRun, None] = {}
     for run in runs:
-        for fixture in fixtures:
-            rows = builtin_fixture(fixture).num_rows
-            if rows % (run.world_size * run.accum_steps) == 0:
-                moved[replace(run, fixture=fixture)] = None
+        for name in fixtures:
+            fixture = builtin_fixture(name)
+            if run.layout.divides(fixture.num_rows) and run.layout.splits(fixture.seq_len):
+                moved[replace(run, fixture=name)] = None
     if not moved:
-        layouts = sorted({(r.world_size, r.accum_steps) for r in runs})
+        layouts = sorted({str(r.layout) for r in runs})
         raise ValueError(
-            f"no layout of the catalogue ({', '.join(f'R={R},M={M}' for R, M in layouts)}) "
-            f"divides the rows of {', '.join(fixtures)}"
+            f"no layout of the catalogue ({', '.join(layouts)}) divides the rows and positions "
+            f"of {', '.join(fixtures)}"
         )
     return list(moved)
 

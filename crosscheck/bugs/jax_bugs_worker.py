@@ -59,13 +59,19 @@ def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
 
     results: Results = {}
     prepared = {}
+    context_runs = [run for run in runs if run.context_size > 1]
+    pipeline_runs = [run for run in runs if run.pipeline_stages > 1]
     for run in runs:
+        if run.context_size > 1 or run.pipeline_stages > 1:
+            continue
         try:
             if run.dtype != dtype:
                 raise ValueError(f"{run.describe()} sent to the {dtype} worker")
             prepared[run] = _prepare(run, dtype)
         except Exception:
             results[run] = traceback.format_exc(limit=4)
+    results.update(_run_context_parallel(context_runs, dtype))
+    results.update(_run_pipelines(pipeline_runs, dtype))
     # One sweep per (R, [R, M, B, T]): the union of the patterns any fixture of that shape
     # needs; every fixture (and every rank-skew factor) of the shape reuses its compile.
     groups: dict[tuple, list[BugRun]] = {}
@@ -102,6 +108,72 @@ def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
                     results[run] = BugOutput(
                         grads=out.grads, logged_denominator=out.logged_denominator
                     )
+    return results
+
+
+def _run_context_parallel(runs: Sequence[BugRun], dtype: str) -> Results:
+    """The context-parallel runs: one sweep per fixture and layout holding every pattern of
+    the catalogue at that layout (the runs' programs are compiled per pattern set and shape)."""
+    from jax_impl.harness.bugs_context import run_context_bug_steps
+    from jax_impl.harness.bugs_sweep import check_world_size
+
+    results: Results = {}
+    by_layout: dict[tuple, list[BugRun]] = {}
+    patterns_at: dict[tuple, set[str]] = {}
+    for run in runs:
+        where = (run.fixture, run.world_size, run.accum_steps, run.context_size, run.context_order)
+        by_layout.setdefault(where, []).append(run)
+        patterns_at.setdefault(where[1:4], set()).add(run.pattern)
+    for (fixture, R, M, C, order), group in sorted(by_layout.items()):
+        try:
+            if dtype != "float64" or any(run.dtype != dtype for run in group):
+                raise ValueError(f"{group[0].describe()}: context-parallel runs are float64")
+            check_world_size(R * C)
+            arrays, params = launch_arrays(fixture)
+            outs = run_context_bug_steps(
+                sorted(patterns_at[R, M, C]),
+                {key: arrays[key] for key in BATCH_KEYS},
+                params,
+                R,
+                M,
+                C,
+                order,
+                dtype=dtype,
+                num_windows=NUM_WINDOWS,
+            )
+        except Exception:  # a failed sweep fails its own runs, by name
+            message = traceback.format_exc(limit=8)
+            results.update({run: message for run in group})
+            continue
+        for run in group:
+            out = outs[run.pattern]
+            results[run] = BugOutput(grads=out.grads, logged_denominator=out.logged_denominator)
+    return results
+
+
+def _run_pipelines(runs: Sequence[BugRun], dtype: str) -> Results:
+    """The pipeline runs (`jax_impl.harness.bugs_pipeline`), float64, one at a time."""
+    from jax_impl.harness.bugs_pipeline import run_pipeline_bug_step
+    from jax_impl.harness.bugs_sweep import check_world_size
+
+    results: Results = {}
+    for run in runs:
+        try:
+            if dtype != "float64" or run.dtype != dtype or run.pipeline_stages != 2:
+                raise ValueError(f"{run.describe()}: pipeline runs are float64 on 2 stages")
+            check_world_size(run.num_processes)
+            arrays, params = launch_arrays(run.fixture)
+            out = run_pipeline_bug_step(
+                run.pattern,
+                {key: arrays[key] for key in BATCH_KEYS},
+                params,
+                run.world_size,
+                run.accum_steps,
+                num_windows=NUM_WINDOWS,
+            )
+            results[run] = BugOutput(grads=out.grads, logged_denominator=out.logged_denominator)
+        except Exception:  # a failed run fails alone, by name
+            results[run] = traceback.format_exc(limit=8)
     return results
 
 

@@ -17,6 +17,7 @@ from crosscheck.diagnosis.patterns import (
     CLIP_PER_MICROBATCH_NORM,
     NUM_WINDOWS,
     PATTERNS,
+    PIPELINE_STAGE_PARAMS,
     RANK_SKEW,
     BugOutput,
     BugRun,
@@ -53,7 +54,14 @@ def _problem(bug_run: BugRun) -> str:
         return f"{where}: dtype must be one of {DTYPES}, got {bug_run.dtype!r}"
     if bug_run.world_size < 1 or bug_run.accum_steps < 1:
         return f"{where}: world_size and accum_steps must be >= 1"
-    problem = layout_problem(bug_run.fixture, bug_run.world_size, bug_run.accum_steps)
+    if bug_run.pipeline_stages not in (1, len(PIPELINE_STAGE_PARAMS)):
+        stages = len(PIPELINE_STAGE_PARAMS)
+        return f"{where}: pipelines have {stages} stages here, not {bug_run.pipeline_stages}"
+    try:
+        layout = bug_run.layout
+    except ValueError as error:  # a context size below 1 or an unknown order
+        return f"{where}: {error}"
+    problem = layout_problem(bug_run.fixture, bug_run.world_size, bug_run.accum_steps, layout)
     return f"{where}: {problem}" if problem else ""
 
 
@@ -71,6 +79,9 @@ def _bug_step(bug_run: BugRun) -> BugStep:
         skew=bug_run.skew,
         num_windows=NUM_WINDOWS,
         clip_norm=CLIP_PER_MICROBATCH_NORM,
+        context_size=bug_run.context_size,
+        context_order=bug_run.context_order,
+        pipeline_stages=bug_run.pipeline_stages,
     )
 
 
@@ -97,8 +108,10 @@ def run(runs: list[BugRun]) -> dict[BugRun, BugOutput | BaseException]:
     """Every run's second-window gradient and logged denominator, or the error it met.
 
     Runs that cannot be launched (another framework, unknown pattern or fixture, a layout that
-    does not divide the fixture's rows) get a ValueError without a launch. The rest run in
-    one launch per world size; a launch that fails fails every run it carried, with its error.
+    does not divide the fixture's rows or positions) get a ValueError without a launch. The
+    rest run in one launch per number of processes (R, or R C under context parallel: a
+    context-parallel step shares the launch of its process count); a launch that fails fails
+    every run it carried, with its error.
     """
     results: dict[BugRun, BugOutput | BaseException] = {}
     by_world: dict[int, list[BugRun]] = {}
@@ -107,7 +120,7 @@ def run(runs: list[BugRun]) -> dict[BugRun, BugOutput | BaseException]:
         if problem:
             results[bug_run] = ValueError(problem)
         else:
-            by_world.setdefault(bug_run.world_size, []).append(bug_run)
+            by_world.setdefault(bug_run.num_processes, []).append(bug_run)
     if not by_world:
         return results
 

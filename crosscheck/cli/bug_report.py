@@ -55,8 +55,7 @@ def compact_catalogue_table(run: CatalogueRun) -> Table:
             verdict = "[red]FAIL[/]: " + ("misnamed" if r.detected else "not detected")
         named = r.diagnosed_as if r.diagnosed_as == r.run.pattern else f"[red]{r.diagnosed_as}[/]"
         table.add_row(
-            f"{r.run.pattern}\n{r.run.framework} {r.run.fixture}\n"
-            f"R={r.run.world_size},M={r.run.accum_steps}",
+            f"{r.run.pattern}\n{r.run.framework} {r.run.fixture}\n{r.run.where}",
             f"{named}\n{verdict}",
             f"{_num(r.weight_ratio, '.4g')}\n{_num(r.scale, '.6g')}",
             _num(r.intended_error, ".2e"),
@@ -87,7 +86,7 @@ def catalogue_table(run: CatalogueRun) -> Table:
             r.run.pattern,
             r.run.framework,
             r.run.fixture,
-            f"R={r.run.world_size},M={r.run.accum_steps}",
+            r.run.where,
             "yes" if r.detected else "[red]no[/]",
             r.diagnosed_as if r.diagnosed_as == r.run.pattern else f"[red]{r.diagnosed_as}[/]",
             _num(r.weight_ratio, ".4g"),

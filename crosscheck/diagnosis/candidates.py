@@ -26,6 +26,8 @@ clip-per-microbatch    :math:`w^I \min(1, c / \lVert g_m \rVert)` per accumulati
                        torch's or optax's clipping convention
 float32-count          :math:`w^I D / \tilde D`, :math:`\tilde D` a float32 number near D > 2^24
 local-group-count      the intended spec with its group or document count per microbatch
+cp-...                 the context-parallel patterns (`context_candidates`)
+pp-count-on-last-stage-only  the stages before the last get D times their gradient
 zero-count-nan         no weights: a non-finite gradient on a layout with a unit the intended
                        scheme counts nothing in (`crosscheck.diagnosis.zero_count`)
 ====================== ======================================================================
@@ -37,7 +39,7 @@ step does are in `crosscheck.diagnosis.patterns`; this module is the numpy side 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -71,6 +73,9 @@ class Candidate:
     #: intended scheme, microbatch-mean at M = 1 is rank-mean): it never names a case, but it
     #: counts when a run asks which name fits every case (``crosscheck.diagnosis.naming``).
     degenerate: bool = False
+    #: A gradient that is no token weighting: `weights`' gradient with these parameters
+    #: scaled (a pipeline stage that was never given D). Judged by its gradient alone.
+    leaf_scales: Mapping[str, float] | None = None
 
 
 #: The oracle gradient of given [N, T] effective weights (diagnosis passes a fast one).
@@ -157,6 +162,72 @@ def local_mean_candidates(intended: SchemeSpec, batch: LaidOutBatch) -> list[Can
             )
         )
     return out
+
+
+def context_candidates(intended: SchemeSpec, batch: LaidOutBatch) -> list[Candidate]:
+    r"""The context-parallel patterns, at a layout of C > 1 context ranks per data rank
+    (process p = r C + c holds context rank c's positions of data rank r's rows;
+    :math:`D_p` is process p's share of D, :math:`D_c = \sum_r D_{rc}` context rank c's):
+
+    ======================= ==============================================================
+    cp-local-count          :math:`a_t / (R C\, D_p)`: the intended spec at process scope
+    cp-count-over-replicas  :math:`w^I / C`, logs C D
+    missing-cp-compensation :math:`w^I / C`, logs D (same gradient: the log tells them apart)
+    cp-count-over-dp-only   :math:`a_t / D_{c(t)}` (an additive D)
+    cp-local-sequence-count the intended spec with its row, segment, document or group counts
+                            taken per process and microbatch, D unchanged
+    ======================= ==============================================================
+    """
+    layout = batch.layout
+    R, C = layout.world_size, layout.context_size
+    out: list[Candidate] = []
+    if intended.scope == "update" and intended.denominator.kind not in ("one", "configured"):
+        shard = replace(intended, scope="rank")  # a "rank" of a spec's scope is a process
+        d = np.asarray(shard.unit_denominators(batch), dtype=np.float64)
+        out.append(_candidate("cp-local-count", shard, batch, logged_denominator=float(d[0])))
+        weights = batch.to_global(intended.effective_weights(batch))
+        D = intended.global_denominator(batch)
+        out += [
+            Candidate("cp-count-over-replicas", "pattern", weights / C, C * D),
+            Candidate("missing-cp-compensation", "pattern", weights / C, D),
+        ]
+        if _additive(intended):
+            by_context = d.reshape(R, C).sum(axis=0)  # D_c: context rank c over the data ranks
+            context = layout.context_ranks(batch.targets.shape[-1])
+            w = _divide(intended.token_weights(batch), by_context[context])
+            out.append(
+                Candidate(
+                    "cp-count-over-dp-only",
+                    "pattern",
+                    batch.to_global(w),
+                    float(by_context[0]),
+                )
+            )
+    w = intended.weight
+    if w.group in ("row", "segment", "group", "document") and w.count_scope == "update":
+        local = replace(intended, weight=replace(w, count_scope="microbatch"))
+        out.append(
+            _candidate(
+                "cp-local-sequence-count",
+                local,
+                batch,
+                logged_denominator=intended.global_denominator(batch),
+            )
+        )
+    return out
+
+
+def pipeline_candidates(
+    intended: SchemeSpec, batch: LaidOutBatch, weights: np.ndarray, stages: Sequence[Sequence[str]]
+) -> list[Candidate]:
+    """pp-count-on-last-stage-only: the parameters of every stage before the last keep the
+    unnormalized sum, D times the intended gradient (`stages`: each stage's parameters, in
+    pipeline order); the last stage's are as intended. Logs D."""
+    if len(stages) < 2 or intended.scope != "update":
+        return []
+    D = intended.global_denominator(batch)
+    scales = {leaf: D for stage in stages[:-1] for leaf in stage}
+    return [Candidate("pp-count-on-last-stage-only", "pattern", weights, D, leaf_scales=scales)]
 
 
 def _same_as(spec: SchemeSpec, name: str) -> bool:

@@ -34,15 +34,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
-from crosscheck.contract.layout import LaidOutBatch
+from crosscheck.contract.layout import LaidOutBatch, Layout
 from crosscheck.contract.oracle import Params, token_jacobian
 from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.candidates import (
     Candidate,
     clip_candidates,
+    context_candidates,
     float32_count_candidate,
     local_mean_candidates,
+    pipeline_candidates,
     scale_candidates,
     scheme_candidates,
 )
@@ -50,6 +52,7 @@ from crosscheck.diagnosis.explain import explain
 from crosscheck.diagnosis.families import family_candidates
 from crosscheck.diagnosis.group_basis import (
     GroupBasis,
+    GroupKey,
     basis_grad_of,
     group_mass,
     predictable,
@@ -161,8 +164,14 @@ def diagnose(
     basis: GroupBasis | None = None,
     intended_grads: Params | None = None,
     framework: str | None = None,
+    context_size: int = 1,
+    context_order: str = "contiguous",
+    pipeline_stages: Sequence[Sequence[str]] = (),
 ) -> Diagnosis:
-    """Diagnose `grads`, produced at layout (world_size, accum_steps) of `fixture`.
+    """Diagnose `grads`, produced at layout (world_size, accum_steps) of `fixture`, every row
+    split over `context_size` context-parallel ranks in `context_order` (1: none), and run
+    through `pipeline_stages` (each stage's parameter names, in pipeline order; none: no
+    pipeline).
 
     `dtype` is the dtype of the params the step was given; `precision` is "auto" (the finest
     level the gradient's own noise allows: float64 or float32, and bfloat16 when `dtype` is)
@@ -190,10 +199,11 @@ def diagnose(
         raise ValueError(f"intended must be an intended scheme, got accidental {scheme.name!r}")
     allowed = _allowed_levels(precision, dtype)
     grads = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
-    batch = fixture.layout(world_size, accum_steps)
+    layout = Layout(world_size, accum_steps, context_size, context_order)
+    batch = fixture.layout(world_size, accum_steps, context_size, context_order)
     weights = batch.to_global(scheme.effective_weights(batch))
     units = token_units(fixture, scheme)
-    group_of, keys = token_groups(fixture, world_size, accum_steps, units)
+    group_of, keys = token_groups(fixture, world_size, accum_steps, units, layout)
     model = _gradient_model(fixture, grads, params, basis, group_of, units, keys)
 
     if intended_grads is None:
@@ -216,7 +226,7 @@ def diagnose(
         np.array([k[0] for k in keys], dtype=np.int64),
         np.array([k[1] for k in keys], dtype=np.int64),
     )
-    labels = [f"row {row} segment {segment}" for _, _, row, segment in keys]
+    labels = [key.label for key in keys]
     intended_c = per_group_weights(weights, group_of, units)
     if intended_c is None:  # a_t / u_t is constant per group by construction of the groups
         raise AssertionError(f"{scheme.name}: intended weights vary inside a group")
@@ -224,14 +234,17 @@ def diagnose(
     candidates = _candidates(
         scheme, fixture, batch, weights, model, g, scale, previous_denominators, max_grad_norm
     )
-    per_group = [per_group_weights(c.weights, group_of, units) for c in candidates]
+    candidates += pipeline_candidates(scheme, batch, weights, pipeline_stages)
+    per_group = [
+        None if c.leaf_scales else per_group_weights(c.weights, group_of, units) for c in candidates
+    ]
     # A basis predicts only the weightings that are constant per group.
     candidates, per_group, basis_note = predictable(candidates, per_group, basis)
     errors_by_candidate = [
-        tree_rel_err(model.live(grads), model.live(model.grad_of(c.weights))).max_rel_err
+        tree_rel_err(model.live(grads), model.live(model.predict(c))).max_rel_err
         for c in candidates
     ]
-    level = noise_level(fit, g, candidates, per_group, model.flat_grad_of, allowed)
+    level = noise_level(fit, g, candidates, per_group, model.predict_flat, allowed)
     judged_at, judged, log_note = judge_levels(
         fit, candidates, per_group, errors_by_candidate, level, allowed, labels, logged_denominator
     )
@@ -324,6 +337,18 @@ class _GradientModel:
             start += size
         return out
 
+    def predict(self, candidate: Candidate) -> Params:
+        """A candidate's gradient: its weights', with its leaf scales where it has them."""
+        grads = self.grad_of(candidate.weights)
+        for leaf, factor in (candidate.leaf_scales or {}).items():
+            grads[leaf] = grads[leaf] * factor
+        return grads
+
+    def predict_flat(self, candidate: Candidate) -> np.ndarray:
+        if not candidate.leaf_scales:
+            return self.flat_grad_of(candidate.weights)
+        return _flat(self.predict(candidate))
+
 
 def _gradient_model(
     fixture: Fixture,
@@ -332,7 +357,7 @@ def _gradient_model(
     basis: GroupBasis | None,
     group_of: np.ndarray,
     units: np.ndarray,
-    keys: list[tuple[int, int, int, int]],
+    keys: list[GroupKey],
 ) -> _GradientModel:
     """The analytic bilinear model's per-token Jacobian at `params`, or a model's own `basis`
     (checked against the fixture, its groups and the gradient's leaves)."""
@@ -369,8 +394,15 @@ def _candidates(
     previous_denominators: Sequence[float],
     max_grad_norm: float | None,
 ) -> list[Candidate]:
-    """The intended scheme first, then every pattern, scheme and family that may explain G."""
+    """The intended scheme first, then every pattern, scheme and family that may explain G.
+
+    Under context parallel the patterns of data-parallel ranks and microbatches are those of
+    the batch without the context split (a rank's rows are the same rows), and the
+    context-parallel patterns come on top (`context_candidates`)."""
     candidates = [Candidate(scheme.name, "intended", weights, scheme.global_denominator(batch))]
+    if batch.layout.context_size > 1:
+        candidates += context_candidates(scheme, batch)
+        batch = fixture.layout(batch.layout.world_size, batch.layout.accum_steps)
     candidates += local_mean_candidates(scheme, batch)
     candidates += scale_candidates(scheme, fixture, batch, weights, tuple(previous_denominators))
     if max_grad_norm is not None:
@@ -382,7 +414,7 @@ def _candidates(
 
 
 def _group_weights(
-    keys: list[tuple[int, int, int, int]],
+    keys: list[GroupKey],
     group_of: np.ndarray,
     found: np.ndarray,
     intended: np.ndarray,
@@ -390,15 +422,15 @@ def _group_weights(
     """Each (row, segment) group's recovered weight beside the intended one."""
     return tuple(
         GroupWeight(
-            rank=rank,
-            microbatch=microbatch,
-            row=row,
-            segment=segment,
+            rank=key.rank,
+            microbatch=key.microbatch,
+            row=key.row,
+            segment=key.segment,
             tokens=int(np.count_nonzero(group_of == index)),
             weight=float(found[index]),
             intended=float(intended[index]),
         )
-        for index, (rank, microbatch, row, segment) in enumerate(keys)
+        for index, key in enumerate(keys)
     )
 
 

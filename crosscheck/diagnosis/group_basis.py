@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from crosscheck.contract.fixture import Fixture
+from crosscheck.contract.layout import Layout
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.candidates import Candidate
 from crosscheck.diagnosis.judgement import per_group_weights
@@ -41,24 +43,51 @@ def token_units(fixture: Fixture, scheme: SchemeSpec) -> np.ndarray:
     return valid.astype(np.float64)
 
 
+class GroupKey(NamedTuple):
+    """Where a group of `token_groups` lies: its process (data rank r, context rank c: r C +
+    c), microbatch, row and segment, and under context parallel the context rank holding its
+    positions (None without context parallel, where a group is a whole (row, segment))."""
+
+    rank: int
+    microbatch: int
+    row: int
+    segment: int
+    context: int | None = None
+
+    @property
+    def label(self) -> str:
+        where = f"row {self.row} segment {self.segment}"
+        return where if self.context is None else f"{where} context rank {self.context}"
+
+
 def token_groups(
-    fixture: Fixture, world_size: int, accum_steps: int, units: np.ndarray
-) -> tuple[np.ndarray, list[tuple[int, int, int, int]]]:
-    """Group id per token of the global [N, T] batch (-1: no weight), and each group's
-    (rank, microbatch, row, segment). The ids are in (row, segment) order, whatever the layout."""
+    fixture: Fixture,
+    world_size: int,
+    accum_steps: int,
+    units: np.ndarray,
+    layout: Layout | None = None,
+) -> tuple[np.ndarray, list[GroupKey]]:
+    """Group id per token of the global [N, T] batch (-1: no weight), and each group's key.
+    The ids are in (row, segment) order, whatever the layout. Under context parallel
+    (`layout` with C > 1) a (row, segment) is cut into its context ranks' parts, each a group
+    of its own: a buggy step may weigh the parts of one document apart."""
+    layout = layout or Layout(world_size, accum_steps)
     batch = fixture.layout(world_size, accum_steps)
-    _, M, B, _ = batch.targets.shape
+    _, M, B, T = batch.targets.shape
+    C = layout.context_size
     width = int(fixture.segment_ids.max(initial=0)) + 1
-    key = np.arange(fixture.num_rows)[:, None] * width + fixture.segment_ids
+    context = np.broadcast_to(layout.context_ranks(T)[None, :], fixture.segment_ids.shape)
+    key = (np.arange(fixture.num_rows)[:, None] * width + fixture.segment_ids) * C + context
     carries = fixture.valid & (units > 0)
     keys, inverse = np.unique(key[carries], return_inverse=True)
     group_of = np.full(key.shape, -1, dtype=np.int64)
     group_of[carries] = inverse
     described = []
     for k in keys:
-        row, segment = divmod(int(k), width)
+        piece, c = divmod(int(k), C)
+        row, segment = divmod(piece, width)
         rank, microbatch = divmod(row // B, M)
-        described.append((rank, microbatch, row, segment))
+        described.append(GroupKey(rank * C + c, microbatch, row, segment, c if C > 1 else None))
     return group_of, described
 
 
@@ -102,12 +131,17 @@ class GroupBasis:
     def check(
         self,
         fixture: Fixture,
-        described: Sequence[tuple[int, int, int, int]],
+        described: Sequence[GroupKey],
         grads: Mapping[str, np.ndarray],
     ) -> None:
         """ValueError unless this basis has the groups `token_groups` found on `fixture` and
         the parameters of `grads`, each of its shape."""
-        expected = np.array([(row, segment) for *_, row, segment in described], dtype=np.int64)
+        if any(key.context is not None for key in described):
+            raise ValueError(
+                "a model's group basis holds whole (row, segment) groups: a gradient of a "
+                "context-parallel step is diagnosed on the analytic model only"
+            )
+        expected = np.array([(key.row, key.segment) for key in described], dtype=np.int64)
         expected = expected.reshape(-1, 2)
         if fixture.name != self.fixture or not np.array_equal(expected, self.groups):
             raise ValueError(

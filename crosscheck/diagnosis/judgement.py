@@ -55,14 +55,16 @@ def noise_level(
     gradient: np.ndarray,
     candidates: Sequence[Candidate],
     per_group: Sequence[np.ndarray | None],
-    flat_grad_of: Callable[[np.ndarray], np.ndarray],
+    predict_flat: Callable[[Candidate], np.ndarray],
     allowed: Sequence[str],
 ) -> str | None:
     """The finest allowed level the gradient's noise admits (None: beyond every one).
 
     The noise is the group fit's residual; a weighting that varies inside the groups (another
-    scheme's soft weights) is out of their span, and its own residual counts too. When the
-    fit leaves no dimension to see noise in, every hypothesis's residual counts.
+    scheme's soft weights), or a candidate that is no weighting at all
+    (`Candidate.leaf_scales`), is out of their span, and its own residual counts too
+    (`predict_flat`: its flat gradient). When the fit leaves no dimension to see noise in,
+    every hypothesis's residual counts.
     """
     norm_g = float(np.linalg.norm(gradient)) if np.isfinite(gradient).all() else math.inf
     if not (math.isfinite(norm_g) and norm_g > 0):
@@ -70,7 +72,7 @@ def noise_level(
     noise = fit.residual if fit.noise_measurable else math.inf
     for candidate, c_hyp in zip(candidates, per_group, strict=True):
         if c_hyp is None or not fit.noise_measurable:
-            distance = float(np.linalg.norm(gradient - flat_grad_of(candidate.weights)))
+            distance = float(np.linalg.norm(gradient - predict_flat(candidate)))
             noise = min(noise, distance / norm_g)
     return level_of(noise, allowed)
 

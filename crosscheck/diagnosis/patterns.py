@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from crosscheck.contract.layout import Layout
 
 #: Threshold of the clip-per-microbatch runs: on both catalogue runs one accumulation step's
 #: token-mean gradient exceeds it (step norms 0.179 and 0.225 on packed at (2, 2), 0.173 and
@@ -31,6 +34,32 @@ CLIP_PER_MICROBATCH_NORM = 0.15
 
 #: Windows each buggy step runs; the second one is diagnosed (stale-count needs two).
 NUM_WINDOWS = 2
+
+
+class PatternRun(NamedTuple):
+    """A fixture and layout the catalogue runs a pattern on: R data-parallel ranks, M
+    microbatches, C context-parallel ranks in `context_order` (1: none), and the model cut
+    into `pipeline_stages` stages (1: none)."""
+
+    fixture: str
+    world_size: int
+    accum_steps: int
+    context_size: int = 1
+    context_order: str = "contiguous"
+    pipeline_stages: int = 1
+
+    def __str__(self) -> str:
+        extra = ""
+        if self.context_size > 1:
+            extra = f", {self.context_size} {self.context_order}"
+        elif self.pipeline_stages > 1:
+            extra = f", {self.pipeline_stages} stages"
+        return f"{self.fixture} ({self.world_size}, {self.accum_steps}{extra})"
+
+
+#: The catalogue's pipeline cut of the bilinear model: stage 0 holds the embedding, stage 1 the
+#: unembedding, the labels and the loss (``torch_impl.pipeline``, ``jax_impl.pipeline``).
+PIPELINE_STAGE_PARAMS: tuple[tuple[str, ...], ...] = (("embed",), ("unembed",))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,17 +87,18 @@ class BugPattern:
     signature: str = "scale"
     #: Frameworks where the pattern exists.
     frameworks: tuple[str, ...] = ("torch", "jax")
-    #: (fixture, world_size, accum_steps) the catalogue runs it on: layouts where no other
-    #: pattern predicts the same gradient and log.
-    runs: tuple[tuple[str, int, int], ...] = field(default_factory=tuple)
+    #: Where the catalogue runs it: layouts where no other pattern predicts the same gradient
+    #: and log.
+    runs: tuple[PatternRun, ...] = field(default_factory=tuple)
 
 
 #: The catalogue, one record per pattern in the order of docs/bugs.md: the pattern's id at the
 #: margin, then its `BugPattern` fields indented by four (``logged denominator`` is the field
 #: `logged_denominator`; a record without ``signature`` is "scale"; ``runs`` lists fixture
-#: (R, M)); a line indented deeper continues the field above it, a ``# `` line is a comment,
+#: (R, M), or fixture (R, M, C order) under context parallel); a line indented deeper
+#: continues the field above it, a ``# `` line is a comment,
 #: and ``{clip_norm}`` stands for CLIP_PER_MICROBATCH_NORM. Kept as text because it is a
-#: table: seventeen records of the same fields read best as the table docs/bugs.md shows.
+#: table: records of the same fields read best as the table docs/bugs.md shows.
 _CATALOGUE = """
 rank-mean
     intended: token_mean
@@ -290,10 +320,120 @@ zero-count-nan
     fix: never divide by a local count that can be 0: normalize by the global count of the
         update (counted before the first backward), or guard an empty microbatch or rank so it
         adds 0 (max(n, 1), or skip its backward while still joining the collectives)
+
+cp-local-count
+    intended: token_mean
+    signature: rank
+    # Context parallel only (C > 1; at C = 1 it is rank-mean). Contiguous packed rows put
+    # 199 valid targets on the first process and 32 on the second.
+    runs: packed (1, 1, 2 contiguous), ragged (2, 1, 2 zigzag), packed (1, 2, 4 zigzag)
+    upstream: Megatron-LM#7513 (#7452 finding 9); verl#6836 guard
+    step: under context parallel each process (data rank r, context rank c) divides the loss
+        sum of its shard of the rows over all its microbatches by its own shard's valid count
+        n_p (clamped to 1 when empty, as Megatron does); the gradient all-reduce averages the
+        R C processes: token t of process p weighs v_t / (R C n_p). With one valid token,
+        C = 2 halves its gradient and C = 4 quarters it
+    logged denominator: n_p of process 0
+    fix: count the valid tokens of the whole update over all R C processes (one all-reduce of
+        each shard's count over the data and context group, before any backward), divide each
+        shard's summed loss by that count and multiply by R C for the averaging all-reduce
+    jax fix: count the valid tokens of the whole update first (a psum of each shard's count
+        over both the data and the context axes), divide each shard's summed loss by it and
+        reduce the gradient with psum over both axes
+
+cp-count-over-replicas
+    intended: token_mean
+    # C = 4 and R = 1: at C = 2 its 1/2 and its log 2 D are stale-count's, and at R = C the
+    # log R D is double-reduce-count's.
+    runs: packed (1, 1, 4 zigzag), ragged (1, 2, 4 contiguous)
+    upstream: verl#3691 (sequence-parallel ranks counted twice); prime-rl#2359 (review: a sum
+        over dp_cp of identical microbatches)
+    step: every process counts the valid targets of its whole rows (the labels before the
+        context split, which every context rank of a row holds), then all-reduces that count
+        over all R C processes: the C context ranks of a row count it C times, D' = C D; each
+        shard's loss sum is divided by D' under a correct reduction: the gradient is 1/C of
+        the intended one
+    logged denominator: C D
+    fix: reduce a count of whole rows over the data-parallel group only (the context ranks of
+        a row hold replicas of its labels), or count each shard's own targets and reduce over
+        data and context together: every target counted once
+    jax fix: psum a count of whole rows over the data axis only, or a count of each shard's
+        own targets over the data and context axes together: every target counted once
+
+cp-count-over-dp-only
+    intended: token_mean
+    signature: other
+    # Contiguous order, where the context ranks' shares of the targets differ most (packed:
+    # 199 against 32 at C = 2).
+    runs: packed (2, 1, 2 contiguous), ragged (1, 2, 2 contiguous), packed (1, 1, 4 contiguous)
+    upstream: verl#5993 and verl#5983 (context-parallel undercount); prime-rl#2359 (a count
+        reduced over a group that misses the context ranks)
+    step: each process counts its own shard's valid targets and all-reduces the count over
+        the data-parallel group only (the processes of its context rank c), D_c = sum_r n_rc;
+        its shard's loss sum is divided by D_c under a correct reduction (a sum over the R C
+        processes, or their average times R C): token t on context rank c
+        weighs v_t / D_c, about C times the intended weight, more on the ranks with fewer
+        targets
+    logged denominator: D_0 (context rank 0's)
+    fix: reduce the count over the data and context group together (Megatron's dp_cp group),
+        or count whole rows before the context split and reduce over the data group alone
+    jax fix: psum each shard's count over both the data and the context axes, or count
+        whole rows before the context split and psum over the data axis alone
+
+missing-cp-compensation
+    intended: token_mean
+    # R = 1 with M = 1: at R > 1 missing-world-size may coincide, at M = 2 and C = 2
+    # double-accum-divide does. The log (D) tells it from cp-count-over-replicas (C D).
+    runs: packed (1, 1, 2 zigzag), ragged (1, 1, 4 contiguous)
+    upstream: slime#990; Megatron-LM#673
+    step: the correct global count D over all R C processes, each shard's loss sum divided by
+        D and multiplied by R against the data-parallel average, but the gradient all-reduce
+        averages over the R C processes and nobody multiplied by C: the gradient is 1/C of
+        the intended one
+    logged denominator: D
+    fix: an averaging all-reduce over data and context ranks divides by R C: multiply the
+        loss by R C (not R), or reduce the gradient over the context group with a sum
+    jax fix: pmean over the data and context axes divides by R C: multiply the loss by R C, or
+        reduce with psum over both axes
+
+cp-local-sequence-count
+    intended: sequence_mean
+    signature: other
+    # Packed documents cross the context split; (1, 1) keeps every other pattern's units
+    # whole, so only the split differs from the intended sequence mean.
+    runs: packed (1, 1, 2 contiguous), packed-wide (2, 1, 2 zigzag), packed (1, 2, 4 zigzag)
+    upstream: verl (seq-mean-token-mean rejected under context parallel: "per-sequence inner
+        division by n_s requires local-shard counts that diverge from global under CP");
+        verl#6836
+    step: each process counts a document's valid targets on its own shard of the row only:
+        token t weighs v_t / (n_seg,local(t) D), n_seg,local the valid targets of t's (row,
+        segment) inside t's process and microbatch; D, the documents with a valid target in
+        the whole update, is right and the gradient reduction is correct
+    logged denominator: D (documents with a valid target)
+    fix: count every document's valid targets over the whole row before the context split (or
+        sum the shard counts over the context group) and divide by that count
+
+pp-count-on-last-stage-only
+    intended: token_mean
+    signature: other
+    # A pipeline of 2 stages (embed; unembed and the loss); nothing but a stage's parameters
+    # scaled apart from the others' predicts it.
+    runs: packed (1, 2, 2 stages), ragged (2, 2, 2 stages)
+    upstream: torchtitan#4194 (Forge: pipeline gradients inflated by global_valid_tokens);
+        torchtitan#2972 (pipeline vs non-pipeline gradient scale)
+    step: the model is cut into pipeline stages and only the last holds the labels and the
+        loss; the loop backpropagates the unnormalized sums through the schedule (1F1B) and
+        divides by D afterwards, but D is known on the last stage only and never sent down
+        the pipeline: the last stage's gradient is right, every earlier stage's is the
+        unnormalized sum, D times its intended gradient (the logged loss is right)
+    logged denominator: D (on the last stage)
+    fix: send D from the last stage to every stage of its pipeline before they divide (or
+        divide the loss by D before the schedule's backward, so the scale travels back with
+        the activations' gradients)
 """
 
-#: "name (R, M)" of a catalogue record's ``runs`` line.
-_RUN = re.compile(r"([\w-]+) \((\d+), (\d+)\)")
+#: "name (R, M)", "name (R, M, C order)" or "name (R, M, S stages)" of a ``runs`` line.
+_RUN = re.compile(r"([\w-]+) \((\d+), (\d+)(?:, (\d+) (contiguous|zigzag|stages))?\)")
 
 
 def _read_catalogue(text: str) -> dict[str, BugPattern]:
@@ -320,8 +460,13 @@ def _read_catalogue(text: str) -> dict[str, BugPattern]:
     patterns = {}
     for record in records:
         runs = record.pop("runs")
-        parsed = tuple((name, int(R), int(M)) for name, R, M in _RUN.findall(runs))
-        if ", ".join(f"{n} ({R}, {M})" for n, R, M in parsed) != runs:
+        parsed = tuple(
+            PatternRun(name, int(R), int(M), int(C), order)
+            if order in ("contiguous", "zigzag")
+            else PatternRun(name, int(R), int(M), pipeline_stages=int(C or 1))
+            for name, R, M, C, order in _RUN.findall(runs)
+        )
+        if ", ".join(map(str, parsed)) != runs:
             raise ValueError(f"catalogue record {record['id']}: cannot read runs {runs!r}")
         patterns[record["id"]] = BugPattern(runs=parsed, **record)
     return patterns
@@ -347,12 +492,37 @@ class BugRun:
     accum_steps: int
     dtype: str = "float64"
     skew: float = 1.0  # rank-skew only
+    #: Context-parallel ranks per data-parallel rank, and the order they split a row in.
+    context_size: int = 1
+    context_order: str = "contiguous"
+    #: Pipeline stages each data-parallel rank's model is cut into (`PIPELINE_STAGE_PARAMS`).
+    pipeline_stages: int = 1
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.accum_steps, self.context_size, self.context_order)
+
+    @property
+    def num_processes(self) -> int:
+        """R C S: every data-parallel rank's context ranks and stages are processes."""
+        return self.world_size * self.context_size * self.pipeline_stages
+
+    @property
+    def where(self) -> str:
+        """The layout as the catalogue table shows it (R=2,M=1,C=2z; R=1,M=2,S=2)."""
+        stages = f",S={self.pipeline_stages}" if self.pipeline_stages > 1 else ""
+        return f"{self.layout}{stages}"
 
     def describe(self) -> str:
         skew = f" skew={self.skew}" if self.pattern == RANK_SKEW else ""
+        extra = ""
+        if self.context_size > 1:
+            extra = f" C={self.context_size} {self.context_order}"
+        if self.pipeline_stages > 1:
+            extra += f" S={self.pipeline_stages}"
         return (
             f"{self.pattern} ({self.framework}) {self.fixture} "
-            f"R={self.world_size} M={self.accum_steps} {self.dtype}{skew}"
+            f"R={self.world_size} M={self.accum_steps}{extra} {self.dtype}{skew}"
         )
 
 
@@ -370,9 +540,18 @@ class BugOutput:
 def catalogue_runs(frameworks: tuple[str, ...] = ("torch", "jax")) -> list[BugRun]:
     """Every (pattern, framework, fixture, layout) of the catalogue, float64."""
     return [
-        BugRun(pattern=p.id, framework=fw, fixture=fixture, world_size=R, accum_steps=M)
+        BugRun(
+            pattern=p.id,
+            framework=fw,
+            fixture=run.fixture,
+            world_size=run.world_size,
+            accum_steps=run.accum_steps,
+            context_size=run.context_size,
+            context_order=run.context_order,
+            pipeline_stages=run.pipeline_stages,
+        )
         for p in PATTERNS.values()
         for fw in frameworks
         if fw in p.frameworks
-        for fixture, R, M in p.runs
+        for run in p.runs
     ]

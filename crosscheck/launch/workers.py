@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from crosscheck.contract.fixture import PARAM_KEYS
+from crosscheck.contract.layout import Layout
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.devices import chosen_platform, jax_platform_env
 
@@ -247,8 +248,11 @@ def serve_job(argv: Sequence[str], work: Callable[[dict], object]) -> int:
 # ---- torch: one launch per world size ----------------------------------------------------------
 
 
-def layout_problem(fixture_name: str, world_size: int, accum_steps: int) -> str:
-    """Why a built-in fixture cannot be laid out over `world_size` x `accum_steps`, or ''."""
+def layout_problem(
+    fixture_name: str, world_size: int, accum_steps: int, layout: Layout | None = None
+) -> str:
+    """Why a built-in fixture cannot be laid out over `world_size` x `accum_steps` (and the
+    context split of `layout`, when given), or ''."""
     try:
         fixture = builtin_fixture(fixture_name)
     except ValueError as error:  # an unknown fixture: the message lists the known ones
@@ -257,6 +261,12 @@ def layout_problem(fixture_name: str, world_size: int, accum_steps: int) -> str:
         return (
             f"the {fixture.num_rows} rows of fixture {fixture_name!r} cannot be laid out over "
             f"world_size={world_size} x accum_steps={accum_steps}"
+        )
+    if layout is not None and not layout.splits(fixture.seq_len):
+        return (
+            f"the rows of {fixture.seq_len} positions of fixture {fixture_name!r} cannot be "
+            f"split over context_size={layout.context_size} ({layout.context_order}): "
+            f"{fixture.seq_len} is not divisible by {layout.chunks}"
         )
     return ""
 

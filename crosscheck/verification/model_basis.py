@@ -68,7 +68,7 @@ def _groups(fixture: Fixture, scheme: SchemeSpec) -> tuple[np.ndarray, np.ndarra
     """(group id per token, units u_t, each group's (row, segment)), all layout-free."""
     units = token_units(fixture, scheme)
     group_of, described = token_groups(fixture, 1, 1, units)
-    keys = np.array([(row, segment) for *_, row, segment in described], dtype=np.int64)
+    keys = np.array([(key.row, key.segment) for key in described], dtype=np.int64)
     return group_of, units, keys.reshape(-1, 2)
 
 

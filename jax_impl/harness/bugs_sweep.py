@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -173,10 +173,16 @@ def lay_out_group_ids(group_ids: np.ndarray | None, shape: tuple[int, ...]) -> n
 
 
 def _result(pattern: str, out: WindowOut) -> BugResult:
+    return result_of(pattern, out.grads, out.logged)
+
+
+def result_of(pattern: str, stacked_grads: Mapping[str, Any], logged: Any) -> BugResult:
     """Rank 0's gradient as float64 numpy after checking every rank holds exactly the same
-    (NaN where rank 0 has NaN counts as the same: zero-count-nan's all-reduced NaN is)."""
+    (NaN where rank 0 has NaN counts as the same: zero-count-nan's all-reduced NaN is);
+    `stacked_grads` hold every rank's copy along their first axis, `logged` every rank's
+    denominator."""
     grads = {}
-    for name, stacked in out.grads.items():
+    for name, stacked in stacked_grads.items():
         stacked = np.asarray(stacked, dtype=np.float64)
         same = (stacked == stacked[0]) | (np.isnan(stacked) & np.isnan(stacked[0]))
         if not same.all():
@@ -187,7 +193,7 @@ def _result(pattern: str, out: WindowOut) -> BugResult:
                 "gradient is identical on all"
             )
         grads[name] = stacked[0]
-    return BugResult(grads, float(np.asarray(out.logged)[0]))
+    return BugResult(grads, float(np.asarray(logged)[0]))
 
 
 def run_bug_step(

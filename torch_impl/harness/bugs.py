@@ -9,7 +9,9 @@ rank of a gloo group it runs each step as a real loop would,
 * a fresh ``DistributedDataParallel``-wrapped ``BilinearLM`` holding the step's params (float64,
   or float32 or bfloat16 when the step says so: the loop computes in that dtype throughout, as
   a plain bf16 loop does);
-* rank r's rows [r N/R, (r+1) N/R) in M contiguous microbatches (``crosscheck.contract.layout``);
+* rank r's rows [r N/R, (r+1) N/R) in M contiguous microbatches (``crosscheck.contract.layout``),
+  or under context parallel (C > 1, a world of R C processes) process r C + c's share of
+  them: context rank c's positions of rank r's rows (``torch_impl.batch.context_microbatches``);
 * `num_windows` accumulation windows on that same batch with the same params, gradients zeroed
   between windows and no optimizer step (only stale-count makes the windows differ); each
   window is the pattern's loop of ``torch_impl.harness.bugs_windows``;
@@ -30,9 +32,16 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, TokenBatch, rank_microbatches
-from torch_impl.harness.bugs_windows import RANK_SKEW, WINDOW_STEPS, Window
+from torch_impl.batch import (
+    BATCH_KEYS,
+    OPTIONAL_KEYS,
+    TokenBatch,
+    context_microbatches,
+    rank_microbatches,
+)
+from torch_impl.harness.bugs_windows import PIPELINE_STEPS, RANK_SKEW, WINDOW_STEPS, Window
 from torch_impl.model import PARAM_NAMES, BilinearLM, numpy_grads
+from torch_impl.pipeline import NUM_STAGES, STAGE_PARAMS, PipelinePosition, Stage
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -63,6 +72,13 @@ class BugStep:
     num_windows: int = 2
     #: clip-per-microbatch only: the max norm of each microbatch's gradient.
     clip_norm: float = 0.15
+    #: Context parallel: C context ranks per data rank, splitting every row in this order
+    #: (1: none). The launched world is then R C processes, process r C + c.
+    context_size: int = 1
+    context_order: str = "contiguous"
+    #: Pipeline: the model cut into this many stages (``torch_impl.pipeline``: 2), the world
+    #: R x stages processes, process r S + s holding stage s of data rank r (1: none).
+    pipeline_stages: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +110,26 @@ def validate_step(step: BugStep, rank: int, world_size: int) -> list[TokenBatch]
     a bad token names its rank, microbatch, row and position (``torch_impl.batch``).
     """
     where = step.label
-    if step.pattern not in WINDOW_STEPS:
+    known = (*WINDOW_STEPS, *PIPELINE_STEPS)
+    if step.pattern not in known:
         raise ValueError(
-            f"{where}: unknown bug pattern {step.pattern!r}; known: {', '.join(WINDOW_STEPS)}"
+            f"{where}: unknown bug pattern {step.pattern!r}; known: {', '.join(known)}"
+        )
+    if (step.pattern in PIPELINE_STEPS) != (
+        step.pipeline_stages > 1
+    ) or step.pipeline_stages not in (
+        1,
+        NUM_STAGES,
+    ):
+        raise ValueError(
+            f"{where}: the pipeline patterns ({', '.join(PIPELINE_STEPS)}) run on "
+            f"{NUM_STAGES} stages and the others on none, got pipeline_stages="
+            f"{step.pipeline_stages}"
+        )
+    if step.pipeline_stages > 1 and (step.dtype != "float64" or world_size % NUM_STAGES):
+        raise ValueError(
+            f"{where}: a pipeline runs in float64 on R x {NUM_STAGES} processes, got "
+            f"{step.dtype} on {world_size}"
         )
     if step.dtype not in DTYPES:
         raise ValueError(f"{where}: dtype must be one of {tuple(DTYPES)}, got {step.dtype!r}")
@@ -123,19 +156,38 @@ def validate_step(step: BugStep, rank: int, world_size: int) -> list[TokenBatch]
             f"{where}: params must be embed [V, H] and unembed [H, V], "
             f"got {embed.shape} and {unembed.shape}"
         )
+    C = step.context_size
+    if isinstance(C, bool) or not isinstance(C, int) or C < 1 or world_size % C:
+        raise ValueError(
+            f"{where}: context_size must be a whole divisor of the {world_size} processes, "
+            f"got {C!r}"
+        )
     try:
         for other in range(world_size):
-            for batch in rank_microbatches(step.batch, other, world_size, step.accum_steps):
+            for batch in _microbatches(step, other, world_size):
                 batch.validate(embed.shape[0])
     except ValueError as error:  # BatchError: the layout does not divide, or a bad token
         raise type(error)(f"{where}: {error}") from error
-    return rank_microbatches(step.batch, rank, world_size, step.accum_steps)
+    return _microbatches(step, rank, world_size)
+
+
+def _microbatches(step: BugStep, process: int, num_processes: int) -> list[TokenBatch]:
+    """This process's M microbatches: its rank's rows, and under context parallel its
+    context rank's positions of them."""
+    C, S = step.context_size, step.pipeline_stages
+    if S > 1:  # every stage of data rank r's pipeline holds rank r's rows
+        return rank_microbatches(step.batch, process // S, num_processes // S, step.accum_steps)
+    if C == 1:
+        return rank_microbatches(step.batch, process, num_processes, step.accum_steps)
+    R = num_processes // C
+    return context_microbatches(step.batch, process, R, C, step.accum_steps, step.context_order)
 
 
 def run_bug_step(step: BugStep, rank: int, world_size: int) -> BugStepResult:
     """Run one step on this rank (every rank of the group must call it with the same step)."""
     microbatches = validate_step(step, rank, world_size)
-    return _run_windows(step, microbatches, rank, world_size)
+    run = _run_pipeline_windows if step.pipeline_stages > 1 else _run_windows
+    return run(step, microbatches, rank, world_size)
 
 
 def _run_windows(
@@ -143,12 +195,15 @@ def _run_windows(
 ) -> BugStepResult:
     # A fresh wrapper per step: no hook, bucket order or leftover .grad from another step.
     model = DistributedDataParallel(BilinearLM.from_numpy(step.params, DTYPES[step.dtype]))
+    C = step.context_size
     window = Window(
         rank=rank,
         world_size=world_size,
         accum_steps=step.accum_steps,
         skew=step.skew,
         clip_norm=step.clip_norm,
+        context_size=C,
+        unsplit=rank_microbatches(step.batch, rank // C, world_size // C, step.accum_steps),
     )
     window_step = WINDOW_STEPS[step.pattern]
     logged = math.nan
@@ -178,8 +233,27 @@ def run_bug_steps(
         except ValueError as error:
             results.append(error)
             continue
-        results.append(_run_windows(step, microbatches, rank, world_size))
+        run = _run_pipeline_windows if step.pipeline_stages > 1 else _run_windows
+        results.append(run(step, microbatches, rank, world_size))
     return results
+
+
+def _run_pipeline_windows(
+    step: BugStep, microbatches: Sequence[TokenBatch], rank: int, world_size: int
+) -> BugStepResult:
+    """A pipeline pattern's windows on this process's stage; then every process gathers every
+    stage's synchronized gradient, so that each holds the whole gradient (as the optimizer of
+    each stage reads its own part of it) and the ranks can be compared."""
+    position = PipelinePosition(rank, world_size // NUM_STAGES)
+    name = STAGE_PARAMS[position.stage]
+    stage = Stage(name, step.params[name])  # float64: the pipeline computes in float64
+    for _ in range(step.num_windows):
+        result = PIPELINE_STEPS[step.pattern](stage, microbatches, position)
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, (result.name, result.grad, result.denominator))
+    grads = {leaf: grad for leaf, grad, _ in gathered}
+    logged = gathered[position.peer(NUM_STAGES - 1)][2]  # D as the last stage knows it
+    return BugStepResult(step.label, rank, grads, float(logged))
 
 
 def check_ranks_agree(per_rank: Sequence[BugStepResult]) -> BugStepResult:

@@ -21,13 +21,20 @@ the loops share (`Window`, the sync context, the global count, the scaled window
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torch_impl.batch import TokenBatch
+from torch_impl.harness.bugs_context import (
+    cp_count_over_dp_only,
+    cp_count_over_replicas,
+    cp_local_count,
+    cp_local_sequence_count,
+    missing_cp_compensation,
+)
 from torch_impl.harness.bugs_groups import local_group_count, zero_count_nan
 from torch_impl.harness.windows import (
     Window,
@@ -39,6 +46,10 @@ from torch_impl.harness.windows import (
     scaled_sum_window,
     token_mean_with_count,
 )
+from torch_impl.pipeline import PipelinePosition, PipelineResult, Stage, pipeline_update
+
+#: A pipeline pattern's window on one stage (``torch_impl.pipeline``).
+PipelineStep = Callable[[Stage, Sequence[TokenBatch], PipelinePosition], PipelineResult]
 
 #: The calibration step's id (crosscheck.diagnosis.patterns.RANK_SKEW; torch_impl does not import
 #: the harness, so the string is repeated here and checked against it in the tests).
@@ -315,6 +326,27 @@ def rank_skew(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wind
     return float(denominator)
 
 
+def pp_count_on_last_stage_only(
+    stage: Stage, microbatches: Sequence[TokenBatch], position: PipelinePosition
+) -> PipelineResult:
+    r"""pp-count-on-last-stage-only: postnorm through a 1F1B pipeline, D never sent down.
+
+    The last stage counts D from its labels and divides its own gradient after the schedule;
+    stage 0 is never told D and keeps :math:`\sum_t v_t \nabla l_t`, D times its intended
+    gradient. Upstream: torchtitan#4194 (pipeline gradients inflated by the token count);
+    torchtitan#2972. Logs D (on the last stage).
+    """
+    return pipeline_update(
+        stage,
+        microbatches,
+        "token_mean",
+        position=position,
+        schedule="1f1b",
+        strategy="postnorm",
+        count_to_first_stage=False,  # BUG: the count stays on the last stage
+    )
+
+
 #: Pattern id (crosscheck.diagnosis.patterns.PATTERNS, plus RANK_SKEW) -> its window.
 WINDOW_STEPS: dict[str, WindowStep] = {
     "rank-mean": rank_mean,
@@ -335,5 +367,17 @@ WINDOW_STEPS: dict[str, WindowStep] = {
     # Contract v2 (torch_impl.harness.bugs_groups).
     "local-group-count": local_group_count,
     "zero-count-nan": zero_count_nan,
+    # Context parallel (torch_impl.harness.bugs_context).
+    "cp-local-count": cp_local_count,
+    "cp-count-over-replicas": cp_count_over_replicas,
+    "cp-count-over-dp-only": cp_count_over_dp_only,
+    "missing-cp-compensation": missing_cp_compensation,
+    "cp-local-sequence-count": cp_local_sequence_count,
     RANK_SKEW: rank_skew,
+}
+
+#: The pipeline patterns: (stage, this data rank's microbatches, position) -> the stage's
+#: result (``torch_impl.pipeline``); run by ``torch_impl.harness.bugs`` on R x 2 processes.
+PIPELINE_STEPS: dict[str, PipelineStep] = {
+    "pp-count-on-last-stage-only": pp_count_on_last_stage_only,
 }

@@ -27,9 +27,15 @@ from torch_impl.batch import IGNORE_INDEX, TokenBatch
 class Window:
     """Where a window runs, and what its loop keeps from one window to the next."""
 
+    #: This process and the number of processes DDP averages over: R, or R C under context
+    #: parallel (process r C + c is data rank r's context rank c).
     rank: int
     world_size: int
     accum_steps: int
+    #: Context-parallel ranks per data rank (1: none), and this data rank's microbatches
+    #: before the context split (the labels every context rank of a row holds).
+    context_size: int = 1
+    unsplit: Sequence[TokenBatch] = ()
     #: rank-skew only: rank 0's loss is multiplied by this.
     skew: float = 1.0
     #: clip-per-microbatch only: each microbatch gradient's max global norm.
