@@ -20,7 +20,7 @@ the batch placed with NamedSharding on ("data", "context").
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -139,10 +139,10 @@ def make_context_parallel_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> Sw
     def replicated(params, batch) -> tuple[ReducedGradients, ...]:
         return mapped(replicate(params, mesh), batch)
 
-    return sweep_from(replicated, len(configs), _placer(mesh))
+    return sweep_from(replicated, len(configs), context_placer(mesh))
 
 
-def _placer(mesh: Mesh):
+def context_placer(mesh: Mesh) -> Callable[[Batch], Batch]:
     """place(batch): a numpy [R, C, M, B, T/C] batch checked against the mesh and sharded
     with NamedSharding(mesh, P("data", "context")); a placed one passes through."""
     grid = (mesh.shape["data"], mesh.shape["context"])
@@ -188,7 +188,7 @@ def make_context_parallel_global_sweep(configs: Sequence[StepConfig], mesh: Mesh
     def replicated(params, batch) -> tuple[ReducedGradients, ...]:
         return jitted(replicate(params, mesh), batch)
 
-    return sweep_from(replicated, len(configs), _placer(mesh))
+    return sweep_from(replicated, len(configs), context_placer(mesh))
 
 
 def make_context_parallel_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:

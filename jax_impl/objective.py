@@ -32,12 +32,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.accumulate import Collective, Strategy, rank_plan
+from jax_impl.accumulate import AxisName, Collective, Strategy, rank_plan
 from jax_impl.batch import IGNORE_INDEX, Batch
+from jax_impl.context_parallel import AXES as CONTEXT_AXES
+from jax_impl.context_parallel import context_placer as _context_placer
+from jax_impl.context_parallel import context_positions
 from jax_impl.model import Params
 from jax_impl.shard_map_step import rank_varying, replicate, shard_batch
 from jax_impl.spec import SchemeSpec, parse_spec
@@ -138,26 +142,22 @@ def mtp_targets(targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
     return jnp.concatenate([shifted, jnp.full_like(targets[..., :1], IGNORE_INDEX)], axis=-1)
 
 
-def _term_mask(term: ObjectiveTerm, targets: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    if term.kind == "moe_lb":
-        return segment_ids > 0  # padding is not routed
-    if term.kind == "mtp":
-        targets = mtp_targets(targets, segment_ids)
-    return targets != IGNORE_INDEX
-
-
 def token_losses(
     term: ObjectiveTerm,
     params: Params,
     inputs: jax.Array,
     targets: jax.Array,
     segment_ids: jax.Array,
+    *,
+    shifted: bool = False,
 ) -> jax.Array:
-    """l_t of a per-token kind on [..., T] tokens, 0 where its mask is 0."""
+    """l_t of a per-token kind on [..., T] tokens, 0 where its mask is 0. For mtp `targets`
+    are y, shifted here on the rows given, or already y' when `shifted` (a context shard's,
+    shifted on whole rows)."""
     logits = jnp.take(params["embed"], inputs, axis=0) @ params[HEAD.get(term.kind, "unembed")]
     log_p = jax.nn.log_softmax(logits)
     p = jnp.exp(log_p)
-    if term.kind == "mtp":
+    if term.kind == "mtp" and not shifted:
         targets = mtp_targets(targets, segment_ids)
     valid = targets != IGNORE_INDEX
     if term.kind in ("ce", "mtp"):
@@ -213,8 +213,11 @@ def _reported(denominators: jax.Array, scope: str, axis: str, world_size: int) -
     return gathered.reshape(-1)
 
 
-def _router_norm(term, params, batch: Batch, axis: str, world_size: int, dtype) -> _Norm:
-    """moe_lb's expert counts and D_u = k n_u^2 / E, reduced where the unit spans ranks."""
+def _router_norm(term, params, batch: Batch, axis: AxisName, world_size: int, dtype) -> _Norm:
+    """moe_lb's expert counts and D_u = k n_u^2 / E, reduced where the unit spans ranks.
+
+    Under context parallel (`axis` = ("data", "context"), `world_size` the R C processes) a
+    microbatch is its data rank's: its counts are summed over the context axis first."""
     real = batch.segment_ids > 0  # padding is not routed
     local = jnp.sum(real, axis=(1, 2), dtype=jnp.int32)  # per microbatch [M]
     M = local.shape[0]
@@ -222,35 +225,70 @@ def _router_norm(term, params, batch: Batch, axis: str, world_size: int, dtype) 
     probs = lax.stop_gradient(router_probs(params, batch.inputs))
     counts = expert_counts(probs, real, term.top_k)
     E = probs.shape[-1]
+    data_axis, data_ranks = axis, world_size
+    if not isinstance(axis, str):  # context parallel: the microbatch spans the context axis
+        data_axis, context_axis = axis
+        data_ranks = world_size // lax.axis_size(context_axis)
+        # Summed over the context shards here, so only the data axis is left to sum.
+        local, counts = lax.psum((local, counts), context_axis)
     if term.scope == "update":
-        counts = jnp.broadcast_to(lax.psum(jnp.sum(counts, axis=0), axis), counts.shape)
+        counts = jnp.broadcast_to(lax.psum(jnp.sum(counts, axis=0), data_axis), counts.shape)
         n = count.astype(dtype)
     else:
         n = local.astype(dtype)
     denominators = term.top_k * n * n / E
-    units = world_size * M if term.scope == "microbatch" else 1
+    units = data_ranks * M if term.scope == "microbatch" else 1
     # A unit with D_u = 0 has no token of weight: it contributes 0, never 0/0.
     safe = jnp.where(denominators > 0, denominators, 1)
     scale = jnp.broadcast_to(jnp.where(denominators > 0, 1 / safe / units, 0), (M,))
-    reported = _reported(denominators, term.scope, axis, world_size)
+    reported = _reported(denominators, term.scope, data_axis, data_ranks)
     return _Norm(scale, None, counts, reported, count)
 
 
-def term_batch(term: ObjectiveTerm, batch: Batch) -> Batch:
-    """The batch whose ``valid`` mask is the term's mask: y' as the targets for mtp."""
-    if term.kind == "mtp":
+def term_batch(term: ObjectiveTerm, batch: Batch, context: ContextShift | None = None) -> Batch:
+    """The batch whose ``valid`` mask is the term's mask: y' as the targets for mtp, shifted
+    on whole rows across the context shards under context parallel (`context`)."""
+    if term.kind != "mtp":
+        return batch
+    if context is None:
         return replace(batch, targets=mtp_targets(batch.targets, batch.segment_ids))
-    return batch
+    return replace(batch, targets=context.shifted_targets(batch))
 
 
-def _precount(term, params, batch: Batch, axis: str, world_size: int, dtype) -> _Norm:
+class ContextShift(NamedTuple):
+    """The context axis and the order its ranks split a row in (context parallel)."""
+
+    axis: str
+    order: str
+
+    def shifted_targets(self, batch: Batch) -> jax.Array:
+        """y' at this shard's positions [..., T/C], shifted on whole rows: the rows' targets
+        and segment ids gathered over the context axis (context rank by context rank), put
+        back in position order, shifted, and this rank's positions taken. A shard cannot
+        shift its own targets: the next target of its last position lives on another rank
+        (Megatron-LM#7498 is this bug)."""
+        C = lax.axis_size(self.axis)
+        T = batch.targets.shape[-1] * C
+        positions = context_positions(T, C, self.order)  # [C, T/C], static
+        in_position_order = np.argsort(positions.ravel(), kind="stable")
+
+        def whole(x: jax.Array) -> jax.Array:
+            gathered = lax.all_gather(x, self.axis, axis=x.ndim - 1, tiled=True)
+            return gathered[..., in_position_order]
+
+        shifted = mtp_targets(whole(batch.targets), whole(batch.segment_ids))
+        own = jnp.asarray(positions)[lax.axis_index(self.axis)]
+        return jnp.take(shifted, own, axis=-1)
+
+
+def _precount(term, params, own: Batch, axis: AxisName, world_size: int, dtype) -> _Norm:
     """The term's weights and counts, reduced where its unit spans ranks, before any backward.
 
-    A per-token term's spec is read by `rank_plan` (precount, summed gradients: s = 1), so
-    its scale per microbatch is 1 / (K D_u)."""
+    `own` is `term_batch`'s (y' as mtp's targets). A per-token term's spec is read by
+    `rank_plan` (precount, summed gradients: s = 1), so its scale per microbatch is
+    1 / (K D_u)."""
     if term.kind == "moe_lb":
-        return _router_norm(term, params, batch, axis, world_size, dtype)
-    own = term_batch(term, batch)
+        return _router_norm(term, params, own, axis, world_size, dtype)
     plan = rank_plan(term.spec, own, axis, Strategy.PRECOUNT, Collective.PSUM)
     numerator_mask = token_mask(term.spec.weight.mask, masks(own))
     count = lax.psum(jnp.sum(numerator_mask, dtype=jnp.int32), axis)
@@ -279,23 +317,41 @@ def _term_sum(
         losses = router_probs(params, mb.inputs) @ norm.counts[m].astype(params["router"].dtype)
         losses = jnp.where(mb.segment_ids > 0, losses, 0.0)
     else:
-        losses = token_losses(term, params, mb.inputs, mb.targets, mb.segment_ids)
+        # `mb` is the term's (`term_batch`): mtp's targets are y' already.
+        losses = token_losses(term, params, mb.inputs, mb.targets, mb.segment_ids, shifted=True)
         losses = losses * (norm.weights[m] if weights is None else weights)
     return jnp.sum(losses) * norm.scale[m]
 
 
-def _rank_objective(params: Params, batch: Batch, terms, axis: str, world_size: int):
-    batch = jax.tree.map(lambda x: x[0], batch)  # [1, M, B, T] -> [M, B, T]
+def _rank_objective(
+    params: Params,
+    batch: Batch,
+    terms,
+    axis: AxisName,
+    world_size: int,
+    context: ContextShift | None = None,
+):
+    """One process's part: its [M, B, T] microbatches ([M, B, T/C] under context parallel,
+    where `axis` is ("data", "context") and `world_size` counts the R C processes)."""
+    lead = 1 if context is None else 2
+    batch = jax.tree.map(lambda x: x.reshape(x.shape[lead:]), batch)  # drop the mesh axes
     dtype = params["embed"].dtype
-    norms = [_precount(t, params, batch, axis, world_size, dtype) for t in terms]
+    batches = [term_batch(t, batch, context) for t in terms]
+    norms = [
+        _precount(t, params, b, axis, world_size, dtype)
+        for t, b in zip(terms, batches, strict=True)
+    ]
     trained = {k: v for k, v in params.items() if k in TRAINED_PARAMS}
     frozen = {k: v for k, v in params.items() if k in FROZEN_PARAMS}
     coefficients = jnp.asarray([t.coefficient for t in terms], dtype)
 
     def microbatch_objective(p: Params, m: int):
-        mb = jax.tree.map(lambda x: x[m], batch)
-        pairs = zip(terms, norms, strict=True)
-        parts = jnp.stack([_term_sum(t, n, p | frozen, mb, m) for t, n in pairs])
+        parts = jnp.stack(
+            [
+                _term_sum(t, n, p | frozen, jax.tree.map(lambda x, m=m: x[m], b), m)
+                for t, n, b in zip(terms, norms, batches, strict=True)
+            ]
+        )
         return jnp.sum(coefficients * parts), parts
 
     local = rank_varying(trained, axis)
@@ -316,21 +372,43 @@ def _rank_objective(params: Params, batch: Batch, terms, axis: str, world_size: 
 
 
 def make_objective_fn(
-    terms: Sequence[Mapping[str, Any]], mesh: Mesh, axis_name: str = "data"
+    terms: Sequence[Mapping[str, Any]],
+    mesh: Mesh,
+    axis_name: str = "data",
+    *,
+    context_order: str = "contiguous",
 ) -> Callable[[Params, Batch], ObjectiveOutput]:
     """objective(params, batch) -> ObjectiveOutput, jitted, over the 1-D `mesh`.
 
     `batch` is [R, M, B, T] with R the mesh size (`jax_impl.lay_out_global_batch`); params
-    hold ``embed`` and the heads and references the terms read.
+    hold ``embed`` and the heads and references the terms read. On a ("data", "context")
+    mesh (`jax_impl.context_parallel.context_mesh`) the batch is [R, C, M, B, T/C], laid out
+    by `lay_out_context_parallel` in `context_order`: every collective spans both axes, mtp's
+    targets are shifted on whole rows, and a microbatch-scope moe_lb counts its data rank's
+    microbatch over every context shard.
     """
     parsed = parse_terms(terms)
-    world_size = mesh.shape[axis_name]
+    if tuple(mesh.axis_names) == CONTEXT_AXES:
+        axis: AxisName = CONTEXT_AXES
+        context = ContextShift(CONTEXT_AXES[1], context_order)
+        world_size = mesh.shape[CONTEXT_AXES[0]] * mesh.shape[CONTEXT_AXES[1]]
+        place = _context_placer(mesh)
+    else:
+        axis, context, world_size = axis_name, None, mesh.shape[axis_name]
+
+        def place(batch: Batch) -> Batch:
+            return shard_batch(batch, mesh, axis_name)
 
     def per_rank(params, batch):
-        return _rank_objective(params, batch, parsed, axis_name, world_size)
+        return _rank_objective(params, batch, parsed, axis, world_size, context)
 
     mapped = jax.jit(
-        jax.shard_map(per_rank, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=P())
+        jax.shard_map(
+            per_rank,
+            mesh=mesh,
+            in_specs=(P(), P(*axis) if context else P(axis)),
+            out_specs=P(),
+        )
     )
 
     def objective(params: Params, batch: Batch) -> ObjectiveOutput:
@@ -340,6 +418,6 @@ def make_objective_fn(
             missing = [k for k in needed if k not in params]
             if missing:
                 raise ValueError(f"term {term.name!r} ({term.kind}) needs params {missing}")
-        return mapped(replicate(dict(params), mesh), shard_batch(batch, mesh, axis_name))
+        return mapped(replicate(dict(params), mesh), place(batch))
 
     return objective

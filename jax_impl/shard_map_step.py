@@ -79,7 +79,7 @@ def shard_batch(batch: Batch, mesh: Mesh, axis_name: str = "data") -> Batch:
     return jax.tree.map(place, batch)
 
 
-def rank_varying(params: Params, axis_name: str) -> Params:
+def rank_varying(params: Params, axis_name: str | tuple[str, ...]) -> Params:
     """The replicated params as this rank's own copy, inside a shard_map over `axis_name`.
 
     Under shard_map (check_vma) the params are axis-invariant, and autodiff transposes the
@@ -88,7 +88,8 @@ def rank_varying(params: Params, axis_name: str) -> Params:
     double-reduce pattern of Megatron-LM#7481). Cast to varying, jax.grad returns this rank's
     own contribution, as under pmap or DDP, and the step's collective is the only reduction.
     """
-    return jax.lax.pcast(params, (axis_name,), to="varying")
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    return jax.lax.pcast(params, axes, to="varying")
 
 
 def mesh_sweep(

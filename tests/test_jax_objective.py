@@ -27,6 +27,9 @@ LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
 #: Groups and documents split over microbatches (R = 1), and over ranks too: one compile per
 #: layout serves both fixtures (their id ranges are laid out to the same static size).
 GROUPED_LAYOUTS = [(1, 2), (2, 2), (4, 2)]
+#: (R, M, C, order) under context parallel: both orders, C in {2, 4}.
+CONTEXT_LAYOUTS = [(2, 1, 2, "zigzag"), (1, 2, 4, "contiguous"), (2, 2, 2, "zigzag")]
+BATCH_FIELDS = ("inputs", "targets", "segment_ids", "weights")
 TERMS = [
     {"kind": "ce"},
     {"kind": "z_loss", "coefficient": 1e-2},
@@ -48,12 +51,13 @@ def jax_results() -> dict:
 
     jax.config.update("jax_enable_x64", True)
     from jax_impl.batch import lay_out_global_batch
+    from jax_impl.context_parallel import context_mesh, lay_out_context_parallel
     from jax_impl.objective import make_objective_fn
     from jax_impl.shard_map_step import data_mesh
 
     fixture = builtin_fixture("packed")
     params = make_params(fixture.vocab_size)
-    arrays = {k: getattr(fixture, k) for k in ("inputs", "targets", "segment_ids", "weights")}
+    arrays = {k: getattr(fixture, k) for k in BATCH_FIELDS}
     results = {}
     for R, M in LAYOUTS:
         batch = lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
@@ -72,6 +76,23 @@ def jax_results() -> dict:
             batch = lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size, **sizes)
             out = objective(make_params(fixture.vocab_size), batch)
             results[fixture.name, R, M] = jax.tree.map(np.asarray, out._asdict())
+    for R, M, C, order in CONTEXT_LAYOUTS:
+        mesh = context_mesh(R, C)
+        for name, terms, fixtures in (
+            ("terms", TERMS, ["packed"]),
+            ("grouped", GROUPED_TERMS, grouped),
+        ):
+            objective = make_objective_fn(terms, mesh, context_order=order)
+            for fixture in (builtin_fixture(f) if isinstance(f, str) else f for f in fixtures):
+                arrays = {k: getattr(fixture, k) for k in (*BATCH_FIELDS, *fields)}
+                # The grouped fixtures share their id ranges' static sizes (one compile).
+                shared = sizes if name == "grouped" else {}
+                batch = lay_out_context_parallel(
+                    arrays, R, M, C, order, vocab_size=fixture.vocab_size, **shared
+                )
+                out = objective(make_params(fixture.vocab_size), batch)
+                key = (name, fixture.name, R, M, C, order)
+                results[key] = jax.tree.map(np.asarray, out._asdict())
     return results
 
 
@@ -124,6 +145,34 @@ def test_group_and_document_terms_match_the_oracle(results, R, M, fixture_name):
         assert int(got["term_counts"][k]) == term.count, term.name
         # Counts exact; weight and power sums are float sums in another order: a few ulps.
         np.testing.assert_allclose(got["term_denominators"][k], term.denominators, rtol=1e-14)
+
+
+@pytest.mark.parametrize(("R", "M", "C", "order"), CONTEXT_LAYOUTS)
+def test_objectives_under_context_parallel_match_the_oracle(results, R, M, C, order):
+    """Every term keeps its own counts across the context shards (verl#6836): each per-token
+    term's over every process, mtp's targets shifted on whole rows across the split, moe_lb's
+    router counts over every shard of its unit (the whole update, or its data rank's
+    microbatch); local scopes per process. Against the oracle on the same layout."""
+    for name, terms, fixture_names in (
+        ("terms", TERMS, ["packed"]),
+        ("grouped", GROUPED_TERMS, GROUPED_FIXTURES),
+    ):
+        for fixture_name in fixture_names:
+            fixture = builtin_fixture(fixture_name)
+            expected = objective_loss_and_grad(
+                make_params(fixture.vocab_size), fixture.layout(R, M, C, order), terms
+            )
+            got = results[name, fixture_name, R, M, C, order]
+            where = f"{name} on {fixture_name}"
+            for key, g in expected.grads.items():
+                assert rel_err(got["grads"][key], g) <= RTOL, (where, key)
+            for k, term in enumerate(expected.terms):
+                assert abs(got["term_losses"][k] - term.loss) <= RTOL * abs(term.loss), term.name
+                assert int(got["term_counts"][k]) == term.count, (where, term.name)
+                # Counts exact; weight and power sums in another order: a few ulps.
+                np.testing.assert_allclose(
+                    got["term_denominators"][k], term.denominators, rtol=1e-14, err_msg=where
+                )
 
 
 def test_microbatch_scope_moe_lb_differs_across_layouts_in_jax_too(results):

@@ -30,7 +30,7 @@ from crosscheck.contract.objective import objective_loss_and_grad
 from crosscheck.contract.objective_terms import top_k_margin
 from crosscheck.contract.spec import get_spec
 from crosscheck.fixtures.builtin import builtin_fixture
-from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, rank_microbatches
+from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, context_microbatches, rank_microbatches
 from torch_impl.harness.launcher import launch
 from torch_impl.objective import (
     FROZEN_PARAMS,
@@ -81,18 +81,22 @@ def fixture_and_params(name: str = FIXTURE):
     return fixture, make_params(fixture.vocab_size)
 
 
-def _run_objectives(
-    rank: int, world_size: int, jobs: list[tuple[str, list[dict], int, str]]
-) -> dict:
-    """On each rank: every (label, terms, M, fixture) job as one update on a fresh DDP model."""
+def _run_objectives(rank: int, world_size: int, jobs: list[tuple]) -> dict:
+    """On each rank: every (label, terms, M, fixture[, (C, order)]) job as one update on a
+    fresh DDP model; with (C, order), under context parallel: the world is R x C processes
+    and this one holds its data rank's rows at its context rank's positions."""
     out = {}
-    for label, terms, M, name in jobs:
+    for label, terms, M, name, *context in jobs:
         fixture, params = fixture_and_params(name)
         # The contract v2 fields too: the group and document ids the grouped terms count.
         arrays = {key: getattr(fixture, key) for key in BATCH_KEYS + OPTIONAL_KEYS}
         module = ObjectiveLM(params, dtype=torch.float64)
         ddp = wrap_ddp(module, terms)
-        microbatches = rank_microbatches(arrays, rank, world_size, M)
+        if context:
+            (C, order), R = context[0], world_size // context[0][0]
+            microbatches = context_microbatches(arrays, rank, R, C, M, order)
+        else:
+            microbatches = rank_microbatches(arrays, rank, world_size, M)
         log = objective_update(ddp, microbatches, terms, vocab_size=fixture.vocab_size)
         grads = {
             name: None if p.grad is None else p.grad.numpy().copy()
@@ -111,7 +115,31 @@ def world_results(world_size: int) -> list[dict]:
     """Every rank's outputs for every objective at both M, from one launch of R processes."""
     jobs = [(label(n, M), terms, M, FIXTURE) for M in (1, 2) for n, terms in OBJECTIVES.items()]
     jobs += [(label(f, M), GROUPED_TERMS, M, f) for M in (1, 2) for f in GROUPED_FIXTURES]
+    jobs += [
+        (context_label(name, layout), terms, layout[1], fixture, layout[2:])
+        for layout in CONTEXT_LAYOUTS
+        if layout[0] * layout[2] == world_size
+        for name, terms, fixture in CONTEXT_OBJECTIVES
+    ]
     return launch(_run_objectives, world_size, (jobs,), timeout_s=LAUNCH_TIMEOUT_S)
+
+
+#: (R, M, C, order) under context parallel, R C <= 4 processes: both orders, C in {2, 4}.
+CONTEXT_LAYOUTS = [(1, 2, 2, "zigzag"), (2, 1, 2, "contiguous"), (1, 1, 4, "zigzag")]
+#: (name, terms, fixture): every kind at update scope (mtp shifted across the context split,
+#: moe_lb's counts over every shard), moe_lb per data rank's microbatch, local scopes (per
+#: process), and the grouped terms on the fixtures whose groups and documents cross ranks.
+CONTEXT_OBJECTIVES = [
+    ("full", OBJECTIVES["full"], FIXTURE),
+    ("full_moe_microbatch", OBJECTIVES["full_moe_microbatch"], FIXTURE),
+    ("scopes", OBJECTIVES["scopes"], FIXTURE),
+    *((f"grouped-{f}", GROUPED_TERMS, f) for f in GROUPED_FIXTURES),
+]
+
+
+def context_label(name: str, layout: tuple) -> str:
+    R, M, C, order = layout
+    return f"{name}-R{R}-M{M}-C{C}-{order}"
 
 
 def rel_err(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -187,6 +215,21 @@ def test_group_and_document_terms_match_the_oracle(R, M, fixture_name):
     fixture, params = fixture_and_params(fixture_name)
     expected = objective_loss_and_grad(params, fixture.layout(R, M), GROUPED_TERMS)
     outputs = [per_rank[label(fixture_name, M)] for per_rank in world_results(R)]
+    assert_matches_the_oracle(outputs, expected)
+
+
+@pytest.mark.parametrize(("name", "terms", "fixture_name"), CONTEXT_OBJECTIVES)
+@pytest.mark.parametrize(("R", "M", "C", "order"), CONTEXT_LAYOUTS)
+def test_objectives_under_context_parallel_match_the_oracle(
+    R, M, C, order, name, terms, fixture_name
+):
+    """Every term keeps its own counts across the context shards (verl#6836): z_loss and ce
+    their tokens over every process, mtp its targets shifted on whole rows, moe_lb its
+    router counts over every shard of its unit; against the oracle on the same layout."""
+    fixture, params = fixture_and_params(fixture_name)
+    layout = (R, M, C, order)
+    expected = objective_loss_and_grad(params, fixture.layout(*layout), terms)
+    outputs = [per_rank[context_label(name, layout)] for per_rank in world_results(R * C)]
     assert_matches_the_oracle(outputs, expected)
 
 

@@ -89,6 +89,10 @@ class TokenBatch(NamedTuple):
     #: rows, of `context_size` ranks (`context_microbatches`); 0 of 1 for whole rows.
     context_rank: int = 0
     context_size: int = 1
+    #: [B, T] y'_t (the next target in the segment) taken on whole rows, before the context
+    #: split: a shard cannot shift its own targets across its edge (`context_microbatches`).
+    #: None: computed from `targets` where needed (whole rows).
+    mtp_targets: torch.Tensor | None = None
 
     @property
     def valid(self) -> torch.Tensor:
@@ -293,7 +297,7 @@ def context_microbatches(
     rank, context_rank = divmod(process, context_size)
     seq_len = int(np.shape(batch["targets"])[1])
     positions = torch.tensor(context_positions(seq_len, context_size, order)[context_rank])
-    token_keys = (*BATCH_KEYS, "document_ids")
+    token_keys = (*BATCH_KEYS, "document_ids", "mtp_targets")
     return [
         mb._replace(
             **{
@@ -305,8 +309,20 @@ def context_microbatches(
             context_rank=context_rank,
             context_size=context_size,
         )
-        for mb in rank_microbatches(batch, rank, world_size, accum_steps)
+        for mb in (
+            whole._replace(mtp_targets=shifted_targets(whole.targets, whole.segment_ids))
+            for whole in rank_microbatches(batch, rank, world_size, accum_steps)
+        )
     ]
+
+
+def shifted_targets(targets: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """y'_t = y_{t+1} where t + 1 < T and segment t + 1 is segment t, else IGNORE_INDEX: the
+    targets of a multi-token-prediction head, on whole rows [B, T]."""
+    same = segment_ids[:, 1:] == segment_ids[:, :-1]
+    shifted = torch.full_like(targets, IGNORE_INDEX)
+    shifted[:, :-1] = torch.where(same, targets[:, 1:], IGNORE_INDEX)
+    return shifted
 
 
 _OPTIONAL_DTYPES = {

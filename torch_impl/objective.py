@@ -193,9 +193,7 @@ def _term_view(
     timeout_s: float,
 ) -> SpecView:
     """The term's spec over the microbatches with the term's targets (its mask as ``valid``)."""
-    own = [
-        b._replace(targets=term_targets(term.kind, b.targets, b.segment_ids)) for b in microbatches
-    ]
+    own = [b._replace(targets=term_targets(term.kind, b)) for b in microbatches]
     return spec_view(term.spec, own, group=group, timeout_s=timeout_s)
 
 
@@ -219,8 +217,16 @@ def _local_counts(
     return torch.stack(rows).to(torch.int64)
 
 
-def _router_norm(term: ObjectiveTerm, counts: torch.Tensor, rank: int) -> _Norm:
-    """moe_lb's scales from every rank's counts [R, M, 1 + E]."""
+def _router_norm(
+    term: ObjectiveTerm, counts: torch.Tensor, rank: int, context_size: int = 1
+) -> _Norm:
+    """moe_lb's scales from every rank's counts [R, M, 1 + E]; under context parallel (the
+    R rows being R' C processes) a microbatch is its data rank's, all C shards of its rows:
+    their counts are summed first."""
+    if context_size > 1:
+        processes, M, width = counts.shape
+        counts = counts.view(processes // context_size, context_size, M, width).sum(dim=1)
+        rank //= context_size
     R, M, width = counts.shape
     E = width - 1
     n, c = counts[..., 0], counts[..., 1:]
@@ -286,7 +292,7 @@ def count_prepass(
     for term, view, c, block, vector in zip(parsed, views, counts, blocks, summed, strict=True):
         every = block[:, :-1].round().to(torch.int64).reshape(world_size, *c.shape)
         if view is None:
-            norms.append(_router_norm(term, every, rank))
+            norms.append(_router_norm(term, every, rank, microbatches[0].context_size))
         else:
             norms.append(_spec_norm(term, view, vector, block[:, -1], int(every.sum())))
     return norms
@@ -300,7 +306,7 @@ def _term_sum(
         probs = softmax(out["router"].to(torch.float64), dim=-1)
         losses = torch.where(batch.segment_ids > 0, probs @ norm.expert_counts[m], 0.0)
         return losses.sum() * norm.scales[m]
-    targets = term_targets(term.kind, batch.targets, batch.segment_ids)
+    targets = term_targets(term.kind, batch)
     losses = token_losses(term.kind, out[HEAD[term.kind]], targets, out.get("ref"))
     return (norm.weights[m] * losses).sum() * norm.scales[m]
 

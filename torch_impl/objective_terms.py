@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.nn.functional import log_softmax
 
-from torch_impl.batch import IGNORE_INDEX
+from torch_impl.batch import IGNORE_INDEX, TokenBatch, shifted_targets
 from torch_impl.spec import SchemeSpec, parse_spec
 
 PER_TOKEN_KINDS: tuple[str, ...] = ("ce", "z_loss", "entropy", "ref_kl", "mtp")
@@ -119,17 +119,16 @@ def parse_terms(terms: Sequence[Mapping[str, Any]]) -> tuple[ObjectiveTerm, ...]
     return parsed
 
 
-def mtp_targets(targets: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """y'_t = y_{t+1} where t + 1 < T and segment t + 1 is segment t, else IGNORE_INDEX."""
-    same = segment_ids[:, 1:] == segment_ids[:, :-1]
-    shifted = torch.full_like(targets, IGNORE_INDEX)
-    shifted[:, :-1] = torch.where(same, targets[:, 1:], IGNORE_INDEX)
-    return shifted
+def term_targets(kind: str, batch: TokenBatch) -> torch.Tensor:
+    """The targets whose != IGNORE_INDEX is the term's mask m_t (y' for mtp, y otherwise).
 
-
-def term_targets(kind: str, targets: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
-    """The targets whose != IGNORE_INDEX is the term's mask m_t (y' for mtp, y otherwise)."""
-    return mtp_targets(targets, segment_ids) if kind == "mtp" else targets
+    y' is the batch's own ``mtp_targets`` when it carries them (a context-parallel shard,
+    whose rows were shifted whole before the split), else the shift of its whole rows."""
+    if kind != "mtp":
+        return batch.targets
+    if batch.mtp_targets is not None:
+        return batch.mtp_targets
+    return shifted_targets(batch.targets, batch.segment_ids)
 
 
 def token_losses(

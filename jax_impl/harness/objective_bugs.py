@@ -46,7 +46,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.batch import Batch
+from jax_impl.batch import IGNORE_INDEX, Batch
 from jax_impl.model import Params
 
 # The correct objective's pieces: the bugs differ from it only in the target's weights.
@@ -55,11 +55,11 @@ from jax_impl.objective import (
     TRAINED_PARAMS,
     _Norm,
     _precount,
-    _term_mask,
     _term_sum,
     expert_counts,
     parse_terms,
     router_probs,
+    term_batch,
     token_losses,
 )
 from jax_impl.shard_map_step import rank_varying, replicate, shard_batch
@@ -102,12 +102,12 @@ def _buggy_part(pattern, term, norm: _Norm, main: _Norm, p, mb, m, axis, M):
     """The target term's λ-free contribution of microbatch m, as the buggy step writes it."""
     if pattern == "sibling-term-scope":
         # loss_fn returns the microbatch's own masked mean; the accumulation averages them.
-        losses = token_losses(term, p, mb.inputs, mb.targets, mb.segment_ids)
-        n_local = jnp.sum(_term_mask(term, mb.targets, mb.segment_ids))
+        losses = token_losses(term, p, mb.inputs, mb.targets, mb.segment_ids, shifted=True)
+        n_local = jnp.sum(mb.targets != IGNORE_INDEX)  # the term's targets (y' for mtp)
         return jnp.sum(losses) / jnp.maximum(n_local, 1) / M
     if pattern == "shifted-aux-count":
         # One num_tokens for every term: the main term's, n, not the rolled mask's n'.
-        losses = token_losses(term, p, mb.inputs, mb.targets, mb.segment_ids)
+        losses = token_losses(term, p, mb.inputs, mb.targets, mb.segment_ids, shifted=True)
         return jnp.sum(losses) / main.count.astype(losses.dtype)
     if pattern == "aux-world-size-factor":
         # Complete on every rank: the term of the whole update's step m, global weights.
@@ -171,14 +171,18 @@ def make_objective_bug_fn(
         batch = jax.tree.map(lambda x: x[0], batch)
         M = batch.inputs.shape[0]
         dtype = params["embed"].dtype
-        norms = [_precount(t, params, batch, axis_name, R, dtype) for t in parsed]
+        batches = [term_batch(t, batch) for t in parsed]  # y' as mtp's targets
+        norms = [
+            _precount(t, params, b, axis_name, R, dtype)
+            for t, b in zip(parsed, batches, strict=True)
+        ]
         frozen = {k: v for k, v in params.items() if k in FROZEN_PARAMS}
 
         def microbatch_loss(p: Params, m: int) -> jax.Array:
-            mb = jax.tree.map(lambda x: x[m], batch)
             p = p | frozen
             total = jnp.zeros((), dtype)
-            for term, norm in zip(parsed, norms, strict=True):
+            for term, norm, own in zip(parsed, norms, batches, strict=True):
+                mb = jax.tree.map(lambda x: x[m], own)
                 if term is hit:
                     part = _buggy_part(pattern, term, norm, norms[0], p, mb, m, axis_name, M)
                     # Only a target that rides the main loss's DDP factor gets R.

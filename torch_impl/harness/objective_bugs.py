@@ -169,7 +169,7 @@ def _buggy_part(
 ) -> torch.Tensor:
     """The target's λ-free loss of microbatch m as the buggy loop writes it, float64."""
     if pattern in ("sibling-term-scope", "shifted-aux-count"):
-        targets = term_targets(term.kind, batch.targets, batch.segment_ids)
+        targets = term_targets(term.kind, batch)
         losses = token_losses(term.kind, out[HEAD[term.kind]], targets, out.get("ref"))
         if pattern == "shifted-aux-count":
             # One num_tokens for every term: the main term's n, not the rolled mask's n'.
