@@ -7,7 +7,12 @@ test_bug_catalogue, test_torch_bugs and test_jax_bugs each judge the same output
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import os
+import pickle
+import tempfile
+from pathlib import Path
 
 from crosscheck.bugs.catalogue_run import SKEW, run_steps, skew_runs
 from crosscheck.diagnosis.patterns import BugOutput, BugRun, catalogue_runs
@@ -40,4 +45,36 @@ def bug_output(run: BugRun) -> BugOutput:
 
 @functools.cache
 def catalogue_outputs() -> dict[BugRun, BugOutput | BaseException]:
+    """Every run's output, computed once per test session.
+
+    Under pytest-xdist the workers share one computation: the first to ask runs the steps
+    and pickles them into a file named by the session's run id, holding an exclusive lock
+    meanwhile; a worker that asks later waits for the lock and reads the file (the three
+    files that judge the catalogue often land on both workers, and running every step twice
+    would cost half a minute of CPU)."""
+    session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if session is None:
+        return _run_everything()
+    path = Path(tempfile.gettempdir()) / f"gradweight-bug-outputs-{session}.pkl"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.exists():
+            with path.open("rb") as f:
+                return pickle.load(f)
+        outputs = _run_everything()
+        partial = path.with_suffix(".partial")
+        # An error as its text: an exception class with its own __init__ may not unpickle.
+        shared = {
+            run: RuntimeError(f"{type(out).__name__}: {out}")
+            if isinstance(out, BaseException)
+            else out
+            for run, out in outputs.items()
+        }
+        with partial.open("wb") as f:
+            pickle.dump(shared, f)
+        partial.replace(path)  # whole or absent: a worker never reads half a file
+        return outputs
+
+
+def _run_everything() -> dict[BugRun, BugOutput | BaseException]:
     return run_steps(catalogue_runs(FRAMEWORKS) + skew_runs(FRAMEWORKS))

@@ -86,7 +86,7 @@ LOGGED_DENOMINATOR: dict[str, Callable[[dict[str, float], int], float]] = {
     "padding-as-tokens": lambda c, R: c["slots"],
     "local-group-count": lambda c, R: c["groups"],
     "zero-count-nan": lambda c, R: c["rank0_last_microbatch"],
-    "pp-count-on-last-stage-only": lambda c, R: c["D"],
+    "pp-unsent-count": lambda c, R: c["D"],
     RANK_SKEW: lambda c, R: c["D"],
     # float32-count: the float32 rounding of the weight total, which each test checks itself.
 }
@@ -174,7 +174,7 @@ def context_parallel_prediction(run: BugRun) -> tuple[np.ndarray, float]:
 
 
 def pipeline_prediction(run: BugRun) -> dict[str, np.ndarray]:
-    """pp-count-on-last-stage-only's text: the last stage (unembed) as intended, every earlier
+    """pp-unsent-count's text: the last stage (unembed) as intended, every earlier
     stage (embed) D times its intended token-mean gradient."""
     fixture = builtin_fixture(run.fixture)
     valid = fixture.targets != IGNORE_INDEX

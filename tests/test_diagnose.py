@@ -90,7 +90,7 @@ def _prediction(pattern: str, fixture: Fixture, R: int, M: int, C: int = 1, orde
         pool = candidates.context_candidates(scheme, context_batch)
         (match,) = [c for c in pool if c.name == pattern]
         return match.weights, match.logged_denominator, D
-    if pattern == "pp-count-on-last-stage-only":  # the weights are right; the stages are not
+    if pattern == "pp-unsent-count":  # the weights are right; the stages are not
         return w, D, D
     if pattern == "local-group-count":
         (match,) = [c for c in candidates.local_mean_candidates(scheme, batch) if c.name == pattern]

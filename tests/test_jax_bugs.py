@@ -286,6 +286,6 @@ def test_context_parallel_steps_weigh_and_log_as_their_text_says() -> None:
 def test_a_pipeline_count_on_the_last_stage_only_inflates_the_first_stage() -> None:
     """The embedding (stage 0) D times its intended gradient, the unembedding as intended."""
     runs = [run for run in CATALOGUE if run.pipeline_stages > 1]
-    assert {run.pattern for run in runs} == {"pp-count-on-last-stage-only"}
+    assert {run.pattern for run in runs} == {"pp-unsent-count"}
     for run in runs:
         _assert_close(run, bug_output(run).grads, pipeline_prediction(run))

@@ -81,7 +81,7 @@ def _rank_skew(bug_run: BugRun) -> Grads:
 def predicted_grads(bug_run: BugRun, logged: float) -> Grads:
     """What the pattern's text says the second window's gradient is."""
     fixture, R, M = builtin_fixture(bug_run.fixture), bug_run.world_size, bug_run.accum_steps
-    if bug_run.pattern == "pp-count-on-last-stage-only":
+    if bug_run.pattern == "pp-unsent-count":
         return pipeline_prediction(bug_run)
     if bug_run.pattern in CONTEXT_PARALLEL:
         c, _ = context_parallel_prediction(bug_run)
@@ -121,7 +121,7 @@ def test_every_pattern_has_torch_runs_and_a_prediction() -> None:
     assert {r.pattern for r in RUNS} == every
     assert {*LOGGED_DENOMINATOR, "float32-count", *CONTEXT_PARALLEL} == every
     predicted = {*TOKEN_MEAN_SCALE, *AS_SCHEME, "float32-count", "clip-per-microbatch", RANK_SKEW}
-    predicted |= {*CONTEXT_PARALLEL, "pp-count-on-last-stage-only"}
+    predicted |= {*CONTEXT_PARALLEL, "pp-unsent-count"}
     # zero-count-nan's gradient is NaN, checked by its own test.
     assert predicted | {"local-group-count", "microstep-mean", "zero-count-nan"} == every
 

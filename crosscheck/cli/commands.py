@@ -92,6 +92,7 @@ def _plan(args: argparse.Namespace) -> Plan:
         resume=not args.no_resume,
         # None: on unless the run is narrowed to fixtures or schemes (Plan.__post_init__).
         objectives=False if args.no_objectives else None,
+        context_parallel=False if args.no_context_parallel else None,
         spec_modes=False if args.no_spec_modes else None,
         explicit=frozenset(given),
         **given,
@@ -193,6 +194,7 @@ def _plan_record(plan: Plan) -> dict:
         "world_size_change": plan.world_size_change,
         "resume": plan.resume,
         "objectives": plan.objectives,
+        "context_parallel": plan.context_parallel,
         "spec_modes": plan.spec_modes,
         # The lists named on the command line: their values must each run in some case.
         "explicit": sorted(plan.explicit),

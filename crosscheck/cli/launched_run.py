@@ -158,6 +158,7 @@ def _joined_args(
     mine = argparse.Namespace(**vars(args))
     mine.impls, mine.world_sizes = impls, [world_size]
     mine.no_world_size_change = mine.no_resume = mine.no_objectives = True
+    mine.no_context_parallel = True
     if rank != 0:
         mine.json = mine.log = mine.plot = None
     return mine

@@ -160,6 +160,11 @@ def _add_run(commands: argparse._SubParsersAction) -> None:
         help="skip the multi-term objective rows (off anyway with --fixture or --schemes)",
     )
     run.add_argument(
+        "--no-context-parallel",
+        action="store_true",
+        help="skip the context-parallel rows (off anyway with --fixture or --schemes)",
+    )
+    run.add_argument(
         "--rows",
         choices=("family", "group", "case"),
         default="family",

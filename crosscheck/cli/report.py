@@ -42,6 +42,8 @@ CHECK_TITLES = {
     "clipping": "clipping placement",
     "objective": "multi-term objectives vs the oracle (every trained param, every term's D)",
     "term-layout": "oracle: each term's gradient under each layout vs R=1, M=1",
+    "context-parallel": "context parallel: implementations vs the oracle at DP x CP layouts",
+    "cp-layout-invariance": "oracle: gradient at each DP x CP layout vs R=1, M=1, C=1",
 }
 
 
@@ -105,6 +107,8 @@ GROUP_BY: dict[str, tuple[str, ...]] = {
     "clipping": ("strategy",),
     "objective": ("scheme", "impl"),
     "term-layout": ("scheme",),
+    "context-parallel": ("scheme", "impl"),
+    "cp-layout-invariance": ("scheme",),
 }
 COLUMNS = ("fixture", "scheme", "impl", "strategy")
 PLURALS = {"fixture": "fixtures", "scheme": "schemes", "impl": "impls", "strategy": "strategies"}
@@ -218,6 +222,8 @@ FAMILY_NAMES = {
     "clipping": "clipping placement",
     "objective": "objectives vs oracle",
     "term-layout": "oracle: term layouts",
+    "context-parallel": "context parallel vs oracle",
+    "cp-layout-invariance": "oracle: context layouts",
 }
 
 

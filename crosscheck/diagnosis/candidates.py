@@ -27,7 +27,7 @@ clip-per-microbatch    :math:`w^I \min(1, c / \lVert g_m \rVert)` per accumulati
 float32-count          :math:`w^I D / \tilde D`, :math:`\tilde D` a float32 number near D > 2^24
 local-group-count      the intended spec with its group or document count per microbatch
 cp-...                 the context-parallel patterns (`context_candidates`)
-pp-count-on-last-stage-only  the stages before the last get D times their gradient
+pp-unsent-count        the stages before the last get D times their gradient (a pipeline)
 zero-count-nan         no weights: a non-finite gradient on a layout with a unit the intended
                        scheme counts nothing in (`crosscheck.diagnosis.zero_count`)
 ====================== ======================================================================
@@ -220,14 +220,14 @@ def context_candidates(intended: SchemeSpec, batch: LaidOutBatch) -> list[Candid
 def pipeline_candidates(
     intended: SchemeSpec, batch: LaidOutBatch, weights: np.ndarray, stages: Sequence[Sequence[str]]
 ) -> list[Candidate]:
-    """pp-count-on-last-stage-only: the parameters of every stage before the last keep the
-    unnormalized sum, D times the intended gradient (`stages`: each stage's parameters, in
-    pipeline order); the last stage's are as intended. Logs D."""
+    """pp-unsent-count: the parameters of every stage before the last keep the unnormalized
+    sum, D times their intended gradient (`stages`: each stage's parameters, in pipeline
+    order); the last stage's are as intended. Logs D."""
     if len(stages) < 2 or intended.scope != "update":
         return []
     D = intended.global_denominator(batch)
     scales = {leaf: D for stage in stages[:-1] for leaf in stage}
-    return [Candidate("pp-count-on-last-stage-only", "pattern", weights, D, leaf_scales=scales)]
+    return [Candidate("pp-unsent-count", "pattern", weights, D, leaf_scales=scales)]
 
 
 def _same_as(spec: SchemeSpec, name: str) -> bool:

@@ -413,7 +413,7 @@ cp-local-sequence-count
     fix: count every document's valid targets over the whole row before the context split (or
         sum the shard counts over the context group) and divide by that count
 
-pp-count-on-last-stage-only
+pp-unsent-count
     intended: token_mean
     signature: other
     # A pipeline of 2 stages (embed; unembed and the loss); nothing but a stage's parameters

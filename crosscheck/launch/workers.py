@@ -220,6 +220,57 @@ def run_jax_job(
     return pickle.loads(out.read_bytes())
 
 
+def report_jax_job(
+    module: str,
+    items: Sequence[Item],
+    on_done: Callable[[Item, Any], None],
+    *,
+    timeout_s: float,
+    prefix: str,
+) -> None:
+    """Run every item in one JAX worker (`run_jax_job` with ``{"cases": items, "dtype":
+    "float64"}``) and report each through ``on_done(item, output_or_error)``, exactly once:
+    a worker that fails fails every item with its error, an item the worker failed (a
+    traceback string) or left out gets a RuntimeError saying so."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        try:
+            results = run_jax_job(
+                module, {"cases": list(items), "dtype": "float64"}, Path(tmp), timeout_s=timeout_s
+            )
+        except Exception as error:
+            for item in items:
+                on_done(item, error)
+            return
+    for item in items:
+        result = results.get(item, "the worker produced no result for this case")
+        on_done(item, RuntimeError(result) if isinstance(result, str) else result)
+
+
+def report_launch_each(
+    target: Callable[..., Any],
+    world_size: int,
+    items: Sequence[Item],
+    payload: Callable[[Item], Any],
+    judge: Callable[[Item, list[Any]], Judged],
+    on_done: Callable[[Item, Judged | Exception], None],
+    *,
+    timeout_s: float,
+    collective_timeout_s: float,
+) -> None:
+    """`launch_each`, each item's judged output (or error) reported through `on_done`."""
+    results = launch_each(
+        target,
+        world_size,
+        items,
+        payload,
+        judge,
+        timeout_s=timeout_s,
+        collective_timeout_s=collective_timeout_s,
+    )
+    for item, result in zip(items, results, strict=True):
+        on_done(item, result)
+
+
 def write_atomically(path: str | Path, data: bytes) -> None:
     """`jax_impl.harness.launch.write_atomically` (the whole file or none), without JAX."""
     jax_launch().write_atomically(path, data)

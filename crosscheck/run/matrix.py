@@ -34,7 +34,13 @@ from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.clipping import clip_placement
 from crosscheck.judge.invariance import layout_invariance
 from crosscheck.launch.schedule import Job, JobTiming, run_jobs
-from crosscheck.run import objective_jax, objective_torch
+from crosscheck.run import (
+    context_jax,
+    context_parallel,
+    context_torch,
+    objective_jax,
+    objective_torch,
+)
 from crosscheck.run.implementations import framework_of, runner_for
 from crosscheck.run.objectives import (
     OBJECTIVE_FIXTURES,
@@ -155,15 +161,37 @@ def run_matrix(
 
     for runner in (objective_jax, objective_torch):
         jobs += runner.jobs([c for c in planned_objectives if c.impl == runner.IMPL], on_objective)
+    context_rows: list[CaseResult] = []
+    # Float64 too: the oracle's closed form is their reference.
+    context = plan.context_parallel and "float64" in plan.dtypes
+    planned_context = context_parallel.context_cases(plan.impls) if context else []
+
+    def on_context(
+        case: context_parallel.ContextCase,
+        output: context_parallel.ContextOutput | BaseException,
+    ) -> None:
+        try:
+            row = context_parallel.compare_context(case, output)
+        except Exception as error:  # an output that cannot be compared fails its own row
+            row = context_parallel.compare_context(case, error)
+        with lock:
+            context_rows.append(row)
+
+    for context_runner in (context_jax, context_torch):
+        jobs += context_runner.jobs(planned_context, on_context)
     oracle_rows: list[CaseResult] = []
     oracle_errors: list[BaseException] = []
-    if build.oracle_layouts or (objectives and "oracle" in plan.impls):
+    if build.oracle_layouts or ((objectives or planned_context) and "oracle" in plan.impls):
 
         def oracle_job() -> None:
             try:
                 oracle_rows.extend(_oracle_rows(plan, build.oracle_layouts))
                 if objectives:
                     oracle_rows.extend(term_layout_rows(list(OBJECTIVES), OBJECTIVE_FIXTURES))
+                if planned_context and "oracle" in plan.impls:
+                    invariance = context_parallel.invariance_rows()
+                    with lock:
+                        context_rows.extend(invariance)
             except Exception as error:  # its rows fail below, by name, with this error
                 oracle_errors.append(error)
 
@@ -194,6 +222,10 @@ def run_matrix(
         if tuple(case) not in reported_objectives
     ]
     rows.extend(objective_rows)
+    context_rows += context_parallel.missing_rows(
+        planned_context, context_rows, with_oracle="oracle" in plan.impls
+    )
+    rows.extend(context_rows)
     rows.extend(resume_rows)
     rows.extend(cross_implementation(outputs))
     if plan.world_size_change:

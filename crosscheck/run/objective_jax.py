@@ -9,10 +9,8 @@ judge (`crosscheck.run.objectives`).
 from __future__ import annotations
 
 import sys
-import tempfile
 import traceback
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -20,7 +18,7 @@ from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.fixtures.objective_params import objective_params
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import run_jax_job, serve_job
+from crosscheck.launch.workers import report_jax_job, serve_job
 from crosscheck.run.objectives import (
     OBJECTIVES,
     ObjectiveCase,
@@ -71,21 +69,13 @@ def run_cases(job: dict) -> dict[ObjectiveCase, ObjectiveOutput | str]:
 
 
 def _run(cases: list[ObjectiveCase], on_done: OnObjective) -> None:
-    with tempfile.TemporaryDirectory(prefix="gradweight-objective-") as tmp:
-        try:
-            results = run_jax_job(
-                "crosscheck.run.objective_jax",
-                {"cases": cases, "dtype": "float64"},
-                Path(tmp),
-                timeout_s=WORKER_TIMEOUT_S,
-            )
-        except Exception as error:
-            for case in cases:
-                on_done(case, error)
-            return
-    for case in cases:
-        result = results.get(case, "the worker produced no result for this case")
-        on_done(case, RuntimeError(result) if isinstance(result, str) else result)
+    report_jax_job(
+        "crosscheck.run.objective_jax",
+        cases,
+        on_done,
+        timeout_s=WORKER_TIMEOUT_S,
+        prefix="gradweight-objective-",
+    )
 
 
 def jobs(cases: list[ObjectiveCase], on_done: OnObjective) -> list[Job]:

@@ -15,7 +15,7 @@ from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.fixtures.objective_params import objective_params
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import first_disagreeing_rank, launch_each
+from crosscheck.launch.workers import first_disagreeing_rank, report_launch_each
 from crosscheck.run.objectives import (
     OBJECTIVES,
     ObjectiveCase,
@@ -62,17 +62,16 @@ def _judge(case: ObjectiveCase, per_rank: list) -> ObjectiveOutput:
 def _run(world_size: int, cases: list[ObjectiveCase], on_done: OnObjective) -> None:
     from torch_impl.harness.objective_cases import run_objective_cases
 
-    results = launch_each(
+    report_launch_each(
         run_objective_cases,
         world_size,
         cases,
         _payload,
         _judge,
+        on_done,
         timeout_s=LAUNCH_TIMEOUT_S,
         collective_timeout_s=COLLECTIVE_TIMEOUT_S,
     )
-    for case, result in zip(cases, results, strict=True):
-        on_done(case, result)
 
 
 def jobs(cases: list[ObjectiveCase], on_done: OnObjective) -> list[Job]:

@@ -100,6 +100,11 @@ class Plan:
     #: layouts, float64), by every implementation of `impls` that computes them; only when
     #: `dtypes` holds float64. None: as `spec_modes`.
     objectives: bool | None = None
+    #: The context-parallel rows of `crosscheck.run.context_parallel` (every intended scheme
+    #: at DP x CP layouts of their own fixtures, float64), by every implementation of `impls`
+    #: that splits rows over context ranks; only when `dtypes` holds float64. None: as
+    #: `spec_modes`.
+    context_parallel: bool | None = None
     #: Schemes of the resume rows (each resume case costs two process starts per framework).
     resume_schemes: list[str] = field(default_factory=lambda: ["token_mean", "sequence_mean"])
     #: Fixtures of the resume rows (those also in `fixtures`): by default the four of shape
@@ -122,6 +127,8 @@ class Plan:
             self.spec_modes = default
         if self.objectives is None:
             self.objectives = default
+        if self.context_parallel is None:
+            self.context_parallel = default
 
     def validate(self) -> None:
         """Raise ValueError naming the first unknown name or empty list."""

@@ -1,10 +1,10 @@
 r"""The pipeline step of the bug catalogue in JAX: a count that stays on the last stage.
 
-``pp-count-on-last-stage-only`` is postnorm through the two-stage pipeline of
+``pp-unsent-count`` is postnorm through the two-stage pipeline of
 `jax_impl.pipeline` with ``count_to_first_stage=False``: the last stage divides its gradient by
 D after the backward, stage 0 is never told D and keeps :math:`\sum_t v_t \nabla l_t`, D times
 its intended gradient (torchtitan#4194's shape; torchtitan#2972). The torch loop is
-``torch_impl.harness.bugs_windows.pp_count_on_last_stage_only``, written apart.
+``torch_impl.harness.bugs_windows.pp_unsent_count``, written apart.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ from jax_impl.pipeline import make_pipeline_sweep, pipeline_config, pipeline_mes
 #: Pattern id (crosscheck.diagnosis.patterns.PATTERNS) -> its update through the pipeline.
 PIPELINE_BUG_CONFIGS = {
     # BUG: postnorm whose count never leaves the last stage.
-    "pp-count-on-last-stage-only": pipeline_config(
-        "token_mean", "postnorm", count_to_first_stage=False
-    ),
+    "pp-unsent-count": pipeline_config("token_mean", "postnorm", count_to_first_stage=False),
 }
 
 

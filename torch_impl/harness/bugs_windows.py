@@ -326,10 +326,10 @@ def rank_skew(model: nn.Module, microbatches: Sequence[TokenBatch], window: Wind
     return float(denominator)
 
 
-def pp_count_on_last_stage_only(
+def pp_unsent_count(
     stage: Stage, microbatches: Sequence[TokenBatch], position: PipelinePosition
 ) -> PipelineResult:
-    r"""pp-count-on-last-stage-only: postnorm through a 1F1B pipeline, D never sent down.
+    r"""pp-unsent-count: postnorm through a 1F1B pipeline, D never sent down.
 
     The last stage counts D from its labels and divides its own gradient after the schedule;
     stage 0 is never told D and keeps :math:`\sum_t v_t \nabla l_t`, D times its intended
@@ -379,5 +379,5 @@ WINDOW_STEPS: dict[str, WindowStep] = {
 #: The pipeline patterns: (stage, this data rank's microbatches, position) -> the stage's
 #: result (``torch_impl.pipeline``); run by ``torch_impl.harness.bugs`` on R x 2 processes.
 PIPELINE_STEPS: dict[str, PipelineStep] = {
-    "pp-count-on-last-stage-only": pp_count_on_last_stage_only,
+    "pp-unsent-count": pp_unsent_count,
 }
