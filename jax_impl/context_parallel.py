@@ -168,6 +168,16 @@ def make_context_parallel_global_sweep(configs: Sequence[StepConfig], mesh: Mesh
     (`jax_impl.global_step`, its per-process counts under one vmap per mesh axis). Per-process
     fields come back as [R, C]; the configs take psum and no reduction factor, as there."""
     configs = check_global_configs(configs)
+    models = [c.token_losses_fn for c in configs if c.token_losses_fn is not None]
+    if models:
+        # The global view treats every process's shard as rows of its own: right for the
+        # bilinear model, whose tokens do not interact, wrong for one that attends across
+        # positions. Such a model needs its context axis (shard_map).
+        raise ValueError(
+            "context-parallel global-view jit runs the bilinear model only: a token_losses_fn "
+            "(a model whose tokens interact) needs the context axis; use "
+            "make_context_parallel_sweep with context_parallel_token_losses"
+        )
     if tuple(mesh.axis_names) != AXES:
         raise ValueError(f"context parallel: the mesh axes must be {AXES}, got {mesh.axis_names}")
     mesh = auto_mesh(mesh)

@@ -202,7 +202,7 @@ def global_gradients(
 
 
 def global_sweep(
-    configs: Sequence[StepConfig], params: Sequence[Params], batch: Batch, axis_name: str
+    configs: Sequence[StepConfig], params: Sequence[Params], batch: Batch, axis_name: AxisName
 ) -> list[ReducedGradients]:
     """Every config's gradient: configs of one model and one kind of scale share one scan,
     batched over the configs with ``vmap`` (as `jax_impl.update.sweep_rank_gradients`)."""

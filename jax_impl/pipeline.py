@@ -88,9 +88,10 @@ def _stage_gradients(
     if not precount:
         if carry_count:  # the last stage sends D down to stage 0 of its pipeline
             D = D + lax.ppermute(D, "stage", perm=[(1, 0)])
+        # 1 / D where D is known (0 when D = 0: nothing to learn, never NaN); a stage that
+        # was never told D keeps its unnormalized sum.
         inverse = jnp.where(D > 0, 1.0 / jnp.where(D > 0, D, 1.0), 0.0)
-        # A stage that never got D (D = 0 there) keeps its unnormalized sum.
-        factor = jnp.where(D > 0, inverse, 1.0)
+        factor = jnp.where(last | carry_count, inverse, 1.0)
         grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
     return lax.psum(grads, "data"), D
 

@@ -27,6 +27,7 @@ ported from the torch model: comparing the two is one of the checks.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from crosscheck.fixtures.transformer_weights import (
     TransformerConfig,
     initial_weights,
 )
+from jax_impl.context_parallel import context_positions
 
 IGNORE_INDEX = -100
 Params = dict[str, jax.Array]
@@ -90,12 +92,19 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def _attention(
-    h: jax.Array, qkv: jax.Array, out: jax.Array, mask: jax.Array, heads: int
+    h: jax.Array,
+    qkv: jax.Array,
+    out: jax.Array,
+    mask: jax.Array,
+    heads: int,
+    context: ContextShard | None = None,
 ) -> jax.Array:
     B, T, W = h.shape
     head = W // heads
     q, k, v = jnp.split(h @ qkv, 3, axis=-1)
-    q, k, v = (y.reshape(B, T, heads, head) for y in (q, k, v))
+    if context is not None:  # this shard's queries against every shard's keys and values
+        k, v = context.gather(k), context.gather(v)
+    q, k, v = (y.reshape(B, -1, heads, head) for y in (q, k, v))
     scores = jnp.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(head)
     # Masked scores are -inf: exp gives exactly 0, and where() keeps their gradient 0.
     scores = jnp.where(mask[:, None], scores, -jnp.inf)
@@ -104,15 +113,41 @@ def _attention(
     return mixed @ out
 
 
+class ContextShard(NamedTuple):
+    """Context parallel inside ``shard_map``: the mesh axis whose C ranks split every row, and
+    the order they split it in (contiguous, or zigzag: `jax_impl.context_parallel`)."""
+
+    axis: str
+    order: str
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """[B, T/C, ...] of every context rank, rank by rank along the positions. Its
+        transpose sums the gradient over the ranks: each rank's loss reads every rank's keys
+        and values."""
+        return jax.lax.all_gather(x, self.axis, axis=1, tiled=True)
+
+    def layout(self, shard_len: int) -> tuple[np.ndarray, jax.Array]:
+        """(the position of each gathered entry [T], static; this rank's positions [T/C])."""
+        C = jax.lax.axis_size(self.axis)
+        positions = context_positions(shard_len * C, C, self.order)  # [C, T/C]
+        return positions.ravel(), jnp.asarray(positions)[jax.lax.axis_index(self.axis)]
+
+
 def transformer_logits(
     params: Params,
     inputs: jax.Array,
     segment_ids: jax.Array,
     config: TransformerConfig = TRANSFORMER_CONFIG,
+    context: ContextShard | None = None,
 ) -> jax.Array:
     """logits [B, T, V] of inputs and segment_ids [B, T] (module docstring), in the params'
     dtype. Shapes are checked at trace time; values cannot be inside jit (an id outside the
-    tables is clamped by the gather), so a caller validates its batch first."""
+    tables is clamped by the gather), so a caller validates its batch first.
+
+    Under context parallel (`context`, inside ``shard_map``) the arrays are this rank's shard
+    [B, T/C] and so are the logits; positions and the attention mask are the whole rows'
+    (the segment ids gathered over the context axis), and attention reads every shard's keys
+    and values, as torchtitan's context parallel does."""
     if inputs.ndim != 2 or segment_ids.shape != inputs.shape:
         raise ValueError(
             f"transformer_logits: inputs and segment_ids must both be [B, T], got "
@@ -124,13 +159,28 @@ def transformer_logits(
             f"{config.max_positions} positions the model has"
         )
     eps = config.ln_eps
+    if context is not None:
+        T = inputs.shape[1] * jax.lax.axis_size(context.axis)
+        if config.max_positions < T:
+            raise ValueError(
+                f"transformer_logits: rows of {T} tokens (every context shard's) exceed the "
+                f"{config.max_positions} positions the model has"
+            )
+    if context is None:
+        positions, mask = segment_positions(segment_ids), attention_mask(segment_ids)
+    else:
+        key_positions, own = context.layout(segment_ids.shape[-1])
+        gathered = context.gather(segment_ids)  # [B, T] in the gathered order
+        whole = gathered[:, np.argsort(key_positions, kind="stable")]  # in position order
+        positions = jnp.take(segment_positions(whole), own, axis=-1)
+        # Rows: this shard's queries; columns: the gathered keys, in their gathered order.
+        mask = jnp.take(attention_mask(whole), own, axis=1)[:, :, key_positions]
     x = jnp.take(params["embed"], inputs, axis=0)
-    x = x + jnp.take(params["positions"], segment_positions(segment_ids), axis=0)
-    mask = attention_mask(segment_ids)
+    x = x + jnp.take(params["positions"], positions, axis=0)
     for i in range(config.layers):
         p = f"layer{i}."
         h = layer_norm(x, params[p + "ln1.scale"], params[p + "ln1.bias"], eps)
-        x = x + _attention(h, params[p + "qkv"], params[p + "out"], mask, config.heads)
+        x = x + _attention(h, params[p + "qkv"], params[p + "out"], mask, config.heads, context)
         h = layer_norm(x, params[p + "ln2.scale"], params[p + "ln2.bias"], eps)
         x = x + gelu_tanh(h @ params[p + "up"]) @ params[p + "down"]
     x = layer_norm(x, params["final_ln.scale"], params["final_ln.bias"], eps)
@@ -146,7 +196,22 @@ def token_losses(
     Its signature is the ``token_losses_fn`` a `jax_impl.update.StepConfig` takes to train
     this model.
     """
-    logits = transformer_logits(params, inputs, segment_ids)
+    return _losses(transformer_logits(params, inputs, segment_ids), targets)
+
+
+def context_parallel_token_losses(order: str, axis: str = "context"):
+    """The ``token_losses_fn`` of a context-parallel update (`jax_impl.context_parallel`):
+    `token_losses` of this rank's shard, attending across the shards of `axis`."""
+    context = ContextShard(axis, order)
+
+    def losses(params, inputs, targets, segment_ids):
+        logits = transformer_logits(params, inputs, segment_ids, context=context)
+        return _losses(logits, targets)
+
+    return losses
+
+
+def _losses(logits: jax.Array, targets: jax.Array) -> jax.Array:
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     valid = targets != IGNORE_INDEX
     # -100 must never index the logits: class 0 stands in, and where() drops it.

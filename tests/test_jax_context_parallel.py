@@ -128,5 +128,18 @@ def test_positions_go_to_the_contracts_context_ranks():
         context_positions(64, 12, "zigzag")
 
 
+def test_the_global_view_refuses_a_model_whose_tokens_interact():
+    """Its shards are rows of their own there: right for the bilinear model only."""
+    import optax
+
+    from jax_impl import transformer
+    from jax_impl.context_parallel import context_mesh, make_context_parallel_global_sweep
+    from jax_impl.update import StepConfig
+
+    config = StepConfig(optimizer=optax.sgd(0.1), token_losses_fn=transformer.token_losses)
+    with pytest.raises(ValueError, match="needs the context axis"):
+        make_context_parallel_global_sweep([config], context_mesh(1, 2))
+
+
 if __name__ == "__main__":
     write_worker_results(jax_results)

@@ -8,9 +8,11 @@ In one x64 subprocess (tests/transformer_jax_runner.py, a mesh of R fake CPU dev
 project's per-rank step (``jax_impl.accumulate.rank_gradients``, given the transformer's
 ``token_losses`` through ``StepConfig(token_losses_fn=...)``) under ``shard_map``, precount
 (with pmean: s = R) and postnorm, for token_mean and sequence_mean on ``packed`` and
-``group_token_mean`` on ``rollouts``, R in {1, 2, 4}, M in {1, 2}: the reduced gradient
-must equal the single-process gradient of the intended objective. Then that single-process
-gradient must equal torch's.
+``group_token_mean`` on ``rollouts``, R in {1, 2, 4}, M in {1, 2}, and under context parallel
+(every row split over C = 2 ranks of a ("data", "context") mesh, each shard's queries
+attending to every shard's keys and values) at (R, M) = (1, 2) zigzag and (2, 1)
+contiguous: the reduced gradient must equal the single-process gradient of the intended
+objective. Then that single-process gradient must equal torch's.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ RTOL = 1e-12
 #: wall time on 2 busy cores. This only stops a hang.
 RUNNER_TIMEOUT_S = 300
 LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
+#: Rows split over C context ranks, attention across the shards (tests/transformer_jax_runner.py).
+CONTEXT_LAYOUTS = [(1, 2, 2, "zigzag"), (2, 1, 2, "contiguous")]
 STRATEGIES = ("precount-pmean", "postnorm-psum")
 CASES = (("packed", "token_mean"), ("packed", "sequence_mean"), ("rollouts", "group_token_mean"))
 
@@ -62,8 +66,9 @@ def runner_output(tmp_path_factory: pytest.TempPathFactory):
 
 def test_shard_map_update_equals_the_single_process_objective(runner_output) -> None:
     records, _ = runner_output
-    seen = {(r["fixture"], r["scheme"], r["R"], r["M"], r["strategy"]) for r in records}
-    expected = {(*case, R, M, s) for case in CASES for R, M in LAYOUTS for s in STRATEGIES}
+    seen = {(r["fixture"], r["scheme"], r["R"], r["M"], r["C"], r["strategy"]) for r in records}
+    layouts = [(R, M, 1) for R, M in LAYOUTS] + [(R, M, C) for R, M, C, _ in CONTEXT_LAYOUTS]
+    expected = {(*case, *layout, s) for case in CASES for layout in layouts for s in STRATEGIES}
     assert seen == expected and len(records) == len(expected)
     # NaN or inf is recorded as inf, and inf <= RTOL is False: it never passes.
     bad = [r for r in records if not (math.isfinite(r["err"]) and r["err"] <= RTOL)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -101,8 +102,11 @@ def _label(fixture: str, scheme: str, M: int, strategy: str) -> str:
 
 
 @functools.cache
-def world_outputs(world_size: int) -> tuple[list[TransformerOutput], ...]:
-    """Every case of this world size, in one launch: per rank, one output per case."""
+def world_outputs(
+    world_size: int, context_size: int = 1, context_order: str = "contiguous"
+) -> tuple[list[TransformerOutput], ...]:
+    """Every case on R processes, or on R C with every row split over C context ranks, in
+    one launch: per process, one output per case."""
     cases = [
         TransformerCase(
             label=_label(fixture, scheme, M, strategy),
@@ -110,34 +114,59 @@ def world_outputs(world_size: int) -> tuple[list[TransformerOutput], ...]:
             scheme=scheme,
             strategy=strategy,
             accum_steps=M,
+            context_size=context_size,
+            context_order=context_order,
         )
         for fixture, scheme, row_fields in CASES
         for M in ACCUM_STEPS
         for strategy in STRATEGIES
     ]
-    per_rank = launch(run_transformer_cases, world_size, (cases,), timeout_s=LAUNCH_TIMEOUT_S)
-    return tuple(per_rank)
+    processes = world_size * context_size
+    return tuple(launch(run_transformer_cases, processes, (cases,), timeout_s=LAUNCH_TIMEOUT_S))
+
+
+def failures_of(per_process: Sequence[list[TransformerOutput]], where: str) -> list[str]:
+    """Every process must hold process 0's update bit for bit, and process 0's must be the
+    single-process gradient of the intended objective."""
+    expected = {_label(f, s, M, st) for f, s, _ in CASES for M in ACCUM_STEPS for st in STRATEGIES}
+    failures = []
+    for process, outputs in enumerate(per_process):
+        if {o.label for o in outputs} != expected:
+            failures.append(f"{where} process {process} ran other cases")
+        for out in outputs:
+            # The all-reduce hands each process the same reduced bucket, and the division by
+            # D is the same on every process. NaN != 0.0 too: NaN never passes.
+            if out.max_diff_from_rank0 != 0.0:
+                failures.append(
+                    f"{where} {out.label} process {process}: off by {out.max_diff_from_rank0!r}"
+                )
+    for out in per_process[0]:
+        fixture, scheme = out.label.split("-")[:2]
+        worst = tree_rel_err(out.grads, single_process_gradient(fixture, scheme))
+        if not (math.isfinite(worst.max_rel_err) and worst.max_rel_err <= RTOL):
+            failures.append(f"{where} {out.label}: {worst.describe()}")
+    return failures
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ddp_update_equals_the_single_process_objective(world_size: int) -> None:
     per_rank = world_outputs(world_size)
     assert len(per_rank) == world_size
-    expected = {_label(f, s, M, st) for f, s, _ in CASES for M in ACCUM_STEPS for st in STRATEGIES}
-    failures = []
-    for rank, outputs in enumerate(per_rank):
-        assert {o.label for o in outputs} == expected, f"rank {rank} ran other cases"
-        for out in outputs:
-            # Every rank holds rank 0's update bit for bit: the all-reduce hands each rank the
-            # same reduced bucket, and the division by D is the same on every rank.
-            if out.max_diff_from_rank0 != 0.0:  # NaN != 0.0 too: NaN never passes
-                failures.append(f"{out.label} rank {rank}: {out.max_diff_from_rank0!r} off")
-    for out in per_rank[0]:
-        fixture, scheme = out.label.split("-")[:2]
-        worst = tree_rel_err(out.grads, single_process_gradient(fixture, scheme))
-        if not (math.isfinite(worst.max_rel_err) and worst.max_rel_err <= RTOL):
-            failures.append(f"R={world_size} {out.label}: {worst.describe()}")
-    assert failures == []
+    assert failures_of(per_rank, f"R={world_size}") == []
+
+
+#: (R, C, order) of the context-parallel launches: attention across the shards of a row.
+CONTEXT_LAYOUTS = ((1, 2, "zigzag"), (2, 2, "contiguous"))
+
+
+@pytest.mark.parametrize(("R", "C", "order"), CONTEXT_LAYOUTS)
+def test_context_parallel_attention_gives_the_single_process_gradient(R, C, order) -> None:
+    """Rows split over C context ranks: each shard's queries attend to every shard's keys and
+    values (gathered over the row's context group, their gradient summed back), positions
+    and the document mask from the whole rows; DDP over all R C processes."""
+    per_process = world_outputs(R, C, order)
+    assert len(per_process) == R * C
+    assert failures_of(per_process, f"R={R} C={C} {order}") == []
 
 
 def test_the_comparison_tells_the_schemes_apart() -> None:

@@ -37,10 +37,17 @@ from crosscheck.judge.compare import tree_rel_err  # noqa: E402
 from jax_impl import transformer  # noqa: E402
 from jax_impl.accumulate import Collective, Strategy  # noqa: E402
 from jax_impl.batch import lay_out_global_batch  # noqa: E402
+from jax_impl.context_parallel import (  # noqa: E402
+    context_mesh,
+    lay_out_context_parallel,
+    make_context_parallel_sweep,
+)
 from jax_impl.shard_map_step import data_mesh, make_shard_map_sweep  # noqa: E402
 from jax_impl.update import StepConfig  # noqa: E402
 
 LAYOUTS = [(R, M) for R in (1, 2, 4) for M in (1, 2)]
+#: (R, M, C, order) of the context-parallel updates: both orders, DP and accumulation beside.
+CONTEXT_LAYOUTS = [(1, 2, 2, "zigzag"), (2, 1, 2, "contiguous")]
 #: (strategy, gradient collective): precount with pmean (s = R: the scale a psum would not
 #: need, so both the count and the factor are exercised) and postnorm (one psum of gradient
 #: sums and counts, then / D). Precount with psum is the same program with s = 1; compiling
@@ -77,7 +84,7 @@ def reference(fixture_name: str, scheme: str, params) -> dict[str, np.ndarray]:
     return transformer.numpy_params(grads)
 
 
-def record(fixture: str, scheme: str, R: int, M: int, variant, grads, want) -> dict:
+def record(fixture: str, scheme: str, R: int, M: int, variant, grads, want, C: int = 1) -> dict:
     got = transformer.numpy_params(grads)
     worst = tree_rel_err(got, want)
     finite = all(np.isfinite(v).all() for v in got.values())
@@ -87,13 +94,14 @@ def record(fixture: str, scheme: str, R: int, M: int, variant, grads, want) -> d
         "scheme": scheme,
         "R": R,
         "M": M,
+        "C": C,
         "strategy": f"{strategy.value}-{collective.value}",
         "err": worst.max_rel_err if finite else float("inf"),
         "leaf": worst.leaf,
     }
 
 
-def step_configs(scheme: str) -> list[StepConfig]:
+def step_configs(scheme: str, token_losses_fn=transformer.token_losses) -> list[StepConfig]:
     """`scheme` in every variant, on the transformer's per-token losses."""
     return [
         StepConfig(
@@ -101,7 +109,7 @@ def step_configs(scheme: str) -> list[StepConfig]:
             scheme=scheme,
             strategy=strategy,
             collective=collective,
-            token_losses_fn=transformer.token_losses,
+            token_losses_fn=token_losses_fn,
         )
         for strategy, collective in VARIANTS
     ]
@@ -134,6 +142,25 @@ def run(out: Path) -> None:
         records += [
             record(*GROUP_CASE, R, M, v, o.grads, want) for v, o in zip(VARIANTS, outs, strict=True)
         ]
+    # Context parallel: every row split over C ranks of a ("data", "context") mesh, attention
+    # across the shards (keys and values gathered over the context axis).
+    for R, M, C, order in CONTEXT_LAYOUTS:
+        losses = transformer.context_parallel_token_losses(order)
+        mesh = context_mesh(R, C)
+        for fixture, schemes, keys in (
+            (packed, [s for _, s in V1_CASES], TOKEN_KEYS),
+            (rollouts, [GROUP_CASE[1]], (*TOKEN_KEYS, *ROW_FIELDS)),
+        ):
+            configs = [config for scheme in schemes for config in step_configs(scheme, losses)]
+            arrays = {k: getattr(fixture, k) for k in keys}
+            batch = lay_out_context_parallel(arrays, R, M, C, order, vocab_size=vocab)
+            outs = iter(make_context_parallel_sweep(configs, mesh)([params] * len(configs), batch))
+            for scheme in schemes:
+                want = references[(fixture.name, scheme)]
+                records += [
+                    record(fixture.name, scheme, R, M, v, next(outs).grads, want, C)
+                    for v in VARIANTS
+                ]
     (out / "records.json").write_text(json.dumps(records, indent=1))
 
 

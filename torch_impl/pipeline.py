@@ -83,7 +83,8 @@ class PipelinePosition:
 @functools.cache
 def stage_groups(data_parallel_size: int) -> tuple[dist.ProcessGroup, ...]:
     """One group per stage: its R processes r S + s. Every process creates every group, in
-    the same order (``dist.new_group`` requires it); cached for the process group's life."""
+    the same order (``dist.new_group`` requires it); cached for the process's life (a launch
+    starts fresh processes: one default process group each)."""
     return tuple(
         dist.new_group([r * NUM_STAGES + s for r in range(data_parallel_size)])
         for s in range(NUM_STAGES)

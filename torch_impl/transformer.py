@@ -28,10 +28,12 @@ and of the numpy oracle, so that comparing them can find a bug in any one.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.functional import cross_entropy
 
@@ -41,7 +43,7 @@ from crosscheck.fixtures.transformer_weights import (
     initial_weights,
     weight_shapes,
 )
-from torch_impl.batch import IGNORE_INDEX, TokenBatch
+from torch_impl.batch import IGNORE_INDEX, TokenBatch, context_positions
 
 #: The prefix DistributedDataParallel (and torch.compile) put before the module's own names.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -81,18 +83,69 @@ class Block(nn.Module):
         self.up = nn.Parameter(torch.zeros(W, F, dtype=dtype))
         self.down = nn.Parameter(torch.zeros(F, W, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, allowed: torch.Tensor, context: ContextShard | None = None
+    ) -> torch.Tensor:
         B, T, W = x.shape
         head = W // self.heads
         q, k, v = (self.ln1(x) @ self.qkv).split(W, dim=-1)
+        if context is not None:  # this shard's queries against every shard's keys and values
+            k, v = context.gather(k), context.gather(v)
         # [B, T, W] -> [B, heads, T, head]: every head attends on its own slice of the width.
-        q, k, v = (y.view(B, T, self.heads, head).transpose(1, 2) for y in (q, k, v))
+        q, k, v = (y.view(B, -1, self.heads, head).transpose(1, 2) for y in (q, k, v))
         scores = q @ k.transpose(-1, -2) / math.sqrt(head)
         # -inf where j may not be seen: exp gives exactly 0 there, and its gradient is 0 too.
         scores = scores.masked_fill(~allowed[:, None], -math.inf)
         mixed = torch.softmax(scores, dim=-1) @ v
         x = x + mixed.transpose(1, 2).reshape(B, T, W) @ self.out
         return x + gelu_tanh(self.ln2(x) @ self.up) @ self.down
+
+
+class _GatherPositions(torch.autograd.Function):
+    """[B, T/C, W] of every context rank, concatenated in rank order along the positions;
+    backward: the gradient of the whole summed over the context ranks (each rank's loss reads
+    every rank's keys and values), and this rank's slice of it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, rank: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.width = group, rank, x.shape[1]
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()  # reduced in place: never autograd's own buffer
+        dist.all_reduce(grad, group=ctx.group)
+        start = ctx.rank * ctx.width
+        return grad[:, start : start + ctx.width], None, None
+
+
+class ContextShard(NamedTuple):
+    """This process's share of every row under context parallel: `positions` [T/C] of the
+    row's T (increasing), its context rank, and the process group of the row's C context
+    ranks (`torch_impl.batch.context_positions` gives every rank's positions)."""
+
+    positions: torch.Tensor
+    rank: int
+    group: dist.ProcessGroup
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T/C, ...] of every context rank in rank order, differentiably."""
+        return _GatherPositions.apply(x, self.group, self.rank)
+
+    def whole_rows(self, segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(segment ids of the whole rows [B, T] in position order, the position of each
+        gathered key [T]): labels only, no gradient."""
+        C = dist.get_world_size(self.group)
+        parts = [torch.empty_like(segment_ids) for _ in range(C)]
+        dist.all_gather(parts, segment_ids.contiguous(), group=self.group)
+        positions = [torch.empty_like(self.positions) for _ in range(C)]
+        dist.all_gather(positions, self.positions.contiguous(), group=self.group)
+        gathered_positions = torch.cat(positions)
+        whole = torch.empty_like(torch.cat(parts, dim=1))
+        whole[:, gathered_positions] = torch.cat(parts, dim=1)
+        return whole, gathered_positions
 
 
 def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -150,13 +203,32 @@ class TinyTransformer(nn.Module):
     def blocks(self) -> list[Block]:
         return [getattr(self, f"layer{i}") for i in range(self.config.layers)]
 
-    def forward(self, inputs: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, segment_ids: torch.Tensor, context: ContextShard | None = None
+    ) -> torch.Tensor:
+        """logits [B, T, V]; under context parallel (`context`) the logits of this shard's
+        positions [B, T/C, V], attending to every shard's keys and values of the rows (the
+        positions and the attention mask are the whole rows'), as torchtitan's context
+        parallel does."""
         self._check(inputs, segment_ids)
+        if context is not None:
+            T = inputs.shape[1] * dist.get_world_size(context.group)
+            if self.config.max_positions < T:
+                raise ValueError(
+                    f"TinyTransformer.forward: rows of {T} tokens (every context shard's) "
+                    f"exceed the {self.config.max_positions} positions the model has"
+                )
+        if context is None:
+            positions, allowed = segment_positions(segment_ids), attention_allowed(segment_ids)
+        else:
+            whole, key_positions = context.whole_rows(segment_ids)
+            positions = segment_positions(whole)[:, context.positions]
+            # Rows: this shard's queries; columns: the gathered keys, in their gathered order.
+            allowed = attention_allowed(whole)[:, context.positions][:, :, key_positions]
         # A plain gather, not nn.Embedding: the gradient stays dense (DDP's buckets need it).
-        x = self.embed[inputs] + self.positions[segment_positions(segment_ids)]
-        allowed = attention_allowed(segment_ids)
+        x = self.embed[inputs] + self.positions[positions]
         for block in self.blocks():
-            x = block(x, allowed)
+            x = block(x, allowed, context)
         return self.final_ln(x) @ self.unembed
 
     def _check(self, inputs: torch.Tensor, segment_ids: torch.Tensor) -> None:
@@ -212,6 +284,30 @@ def microbatch_token_losses(model: nn.Module, batch: TokenBatch) -> torch.Tensor
     """`token_losses` of one microbatch: the ``per_token_losses`` an update step takes
     (``torch_impl.update``) to train this model."""
     return token_losses(model, batch.inputs, batch.targets, batch.segment_ids)
+
+
+def context_parallel_token_losses(
+    groups: Mapping[int, dist.ProcessGroup], order: str
+) -> Callable[[nn.Module, TokenBatch], torch.Tensor]:
+    """The ``per_token_losses`` of a context-parallel update: each microbatch
+    (`torch_impl.batch.context_microbatches`, marked with its context rank) through the model
+    with its `ContextShard`; `groups` maps a data rank to its C context ranks' group."""
+
+    def losses(model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+        C = batch.context_size
+        T = batch.targets.shape[1] * C
+        positions = torch.as_tensor(context_positions(T, C, order)[batch.context_rank])
+        shard = ContextShard(positions, batch.context_rank, groups[batch.rank // C])
+        logits = model(batch.inputs, batch.segment_ids, shard)
+        upcast = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return cross_entropy(
+            upcast.flatten(0, 1),
+            batch.targets.flatten(),
+            reduction="none",
+            ignore_index=IGNORE_INDEX,
+        ).view_as(batch.targets)
+
+    return losses
 
 
 def transformer_param_name(npz_key: str) -> str:

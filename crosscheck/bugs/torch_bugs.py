@@ -54,6 +54,8 @@ def _problem(bug_run: BugRun) -> str:
         return f"{where}: dtype must be one of {DTYPES}, got {bug_run.dtype!r}"
     if bug_run.world_size < 1 or bug_run.accum_steps < 1:
         return f"{where}: world_size and accum_steps must be >= 1"
+    if bug_run.pipeline_stages > 1 and bug_run.context_size > 1:
+        return f"{where}: a pipeline with context parallel is not a catalogue layout"
     if bug_run.pipeline_stages not in (1, len(PIPELINE_STAGE_PARAMS)):
         stages = len(PIPELINE_STAGE_PARAMS)
         return f"{where}: pipelines have {stages} stages here, not {bug_run.pipeline_stages}"

@@ -224,12 +224,18 @@ def predictable(
     if basis is None:
         return list(candidates), list(per_group), ""
     pairs = list(zip(candidates, per_group, strict=True))
-    unseen = [c.name for c, c_hyp in pairs if c_hyp is None]
+    unseen = [c.name for c, c_hyp in pairs if c_hyp is None and not c.leaf_scales]
+    unscaled = [c.name for c, c_hyp in pairs if c.leaf_scales]
     notes = []
     if unseen:
         notes.append(
             f"not judged: {', '.join(dict.fromkeys(unseen))} (their weights vary inside a "
             "(row, segment) group, which a group basis cannot predict)"
+        )
+    if unscaled:
+        notes.append(
+            f"not judged: {', '.join(dict.fromkeys(unscaled))} (some parameters scaled apart "
+            "from the others, which a group basis cannot predict)"
         )
     dead = dead_leaves(basis)
     if dead:

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_impl.batch import Batch
+from jax_impl.batch import IGNORE_INDEX, Batch
 from jax_impl.context_parallel import AXES, context_mesh, lay_out_context_parallel
 from jax_impl.harness.bugs_common import accumulate, count, dtype_of, token_loss_sum, valid
 from jax_impl.harness.bugs_sweep import BugResult, result_of
@@ -266,7 +266,7 @@ def run_context_bug_steps(
         vocab_size=int(np.shape(params["embed"])[0]),
     )
     B = num_rows // (world_size * accum_steps)
-    row_valid = (targets != -100).sum(axis=1).reshape(world_size, 1, accum_steps, B)
+    row_valid = (targets != IGNORE_INDEX).sum(axis=1).reshape(world_size, 1, accum_steps, B)
     row_ids = np.arange(num_rows).reshape(world_size, 1, accum_steps, B)
     inputs = ContextInputs(
         *(np.repeat(x, context_size, axis=1).astype(np.int32) for x in (row_valid, row_ids))

@@ -126,6 +126,8 @@ def validate_step(step: BugStep, rank: int, world_size: int) -> list[TokenBatch]
             f"{NUM_STAGES} stages and the others on none, got pipeline_stages="
             f"{step.pipeline_stages}"
         )
+    if step.pipeline_stages > 1 and step.context_size > 1:
+        raise ValueError(f"{where}: a pipeline with context parallel is not a catalogue layout")
     if step.pipeline_stages > 1 and (step.dtype != "float64" or world_size % NUM_STAGES):
         raise ValueError(
             f"{where}: a pipeline runs in float64 on R x {NUM_STAGES} processes, got "

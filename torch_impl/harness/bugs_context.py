@@ -66,7 +66,8 @@ def cp_count_over_replicas(
 @functools.cache
 def _data_groups(num_processes: int, context_size: int) -> tuple[dist.ProcessGroup, ...]:
     """One process group per context rank c: the R processes r C + c (every process creates
-    every group, in the same order, as ``dist.new_group`` requires)."""
+    every group, in the same order, as ``dist.new_group`` requires); cached for the process's
+    life (a launch starts fresh processes: one default process group each)."""
     R = num_processes // context_size
     return tuple(
         dist.new_group([r * context_size + c for r in range(R)]) for c in range(context_size)

@@ -15,6 +15,7 @@ hook stay valid.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,10 +26,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck.fixtures.transformer_weights import TRANSFORMER_CONFIG, initial_weights
-from torch_impl.batch import rank_microbatches
+from torch_impl.batch import context_microbatches, rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.transformer import (
     TinyTransformer,
+    context_parallel_token_losses,
     load_weights,
     microbatch_token_losses,
     named_grads,
@@ -47,6 +49,10 @@ class TransformerCase:
     scheme: str | Mapping[str, Any]
     strategy: Literal["precount", "postnorm"]
     accum_steps: int
+    #: Context parallel: every row split over this many context ranks in `context_order`,
+    #: the world then R x C processes with DDP over all of them (1: none).
+    context_size: int = 1
+    context_order: str = "contiguous"
 
     def __post_init__(self) -> None:
         if self.strategy not in ("precount", "postnorm"):
@@ -81,8 +87,17 @@ def _run_case(
 ) -> TransformerOutput:
     model.zero_grad(set_to_none=True)
     load_weights(model, weights)
-    microbatches = rank_microbatches(case.batch, rank, world_size, case.accum_steps)
-    common = dict(vocab_size=TRANSFORMER_CONFIG.vocab, per_token_losses=microbatch_token_losses)
+    C = case.context_size
+    if C == 1:
+        microbatches = rank_microbatches(case.batch, rank, world_size, case.accum_steps)
+        losses = microbatch_token_losses
+    else:
+        R = world_size // C
+        microbatches = context_microbatches(
+            case.batch, rank, R, C, case.accum_steps, case.context_order
+        )
+        losses = context_parallel_token_losses(context_groups(R, C), case.context_order)
+    common = dict(vocab_size=TRANSFORMER_CONFIG.vocab, per_token_losses=losses)
     # DDP's default all-reduce averages the buckets (divides their sum by R): precount's
     # reduce factor s is R. Were it not, every gradient would be off by R and the check fail.
     s = float(world_size)
@@ -100,6 +115,17 @@ def _run_case(
     dist.broadcast(reference, src=0)
     diff = float((flat - reference).abs().max())
     return TransformerOutput(case.label, rank, grads if rank == 0 else None, diff)
+
+
+@functools.cache
+def context_groups(data_parallel: int, context_size: int) -> dict[int, dist.ProcessGroup]:
+    """Data rank r -> the group of its C context ranks r C + c. Every process creates every
+    group, in the same order (``dist.new_group`` requires it); cached for the process's life
+    (a launch starts fresh processes: one default process group each)."""
+    return {
+        r: dist.new_group([r * context_size + c for c in range(context_size)])
+        for r in range(data_parallel)
+    }
 
 
 def run_transformer_cases(
