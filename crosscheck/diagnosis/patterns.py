@@ -95,7 +95,8 @@ class BugPattern:
 #: The catalogue, one record per pattern in the order of docs/bugs.md: the pattern's id at the
 #: margin, then its `BugPattern` fields indented by four (``logged denominator`` is the field
 #: `logged_denominator`; a record without ``signature`` is "scale"; ``runs`` lists fixture
-#: (R, M), or fixture (R, M, C order) under context parallel); a line indented deeper
+#: (R, M), fixture (R, M, C order) under context parallel, or fixture (R, M, S stages) for
+#: a pipeline); a line indented deeper
 #: continues the field above it, a ``# `` line is a comment,
 #: and ``{clip_norm}`` stands for CLIP_PER_MICROBATCH_NORM. Kept as text because it is a
 #: table: records of the same fields read best as the table docs/bugs.md shows.
