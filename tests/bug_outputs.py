@@ -11,7 +11,6 @@ import fcntl
 import functools
 import os
 import pickle
-import tempfile
 from pathlib import Path
 
 from crosscheck.bugs.catalogue_run import SKEW, run_steps, skew_runs
@@ -48,14 +47,16 @@ def catalogue_outputs() -> dict[BugRun, BugOutput | BaseException]:
     """Every run's output, computed once per test session.
 
     Under pytest-xdist the workers share one computation: the first to ask runs the steps
-    and pickles them into a file named by the session's run id, holding an exclusive lock
-    meanwhile; a worker that asks later waits for the lock and reads the file (the three
-    files that judge the catalogue often land on both workers, and running every step twice
-    would cost half a minute of CPU)."""
+    and pickles them into a file of the session's shared directory (tests/conftest.py, under
+    pytest's own temporary directory, which pytest removes with its older runs), holding an
+    exclusive lock meanwhile; a worker that asks later waits for the lock and reads the file
+    (the three files that judge the catalogue often land on both workers, and running every
+    step twice would cost half a minute of CPU)."""
     session = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if session is None:
+    shared = os.environ.get("GRADWEIGHT_TEST_SHARED_DIR")
+    if session is None or shared is None:
         return _run_everything()
-    path = Path(tempfile.gettempdir()) / f"gradweight-bug-outputs-{session}.pkl"
+    path = Path(shared) / f"bug-outputs-{session}.pkl"
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if path.exists():

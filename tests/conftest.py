@@ -37,6 +37,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ[SESSION_MARKER] = uuid.uuid4().hex
 
 
+#: A directory every xdist worker of the session shares (tests/bug_outputs.py keeps the one
+#: run of the bug catalogue there): the parent of the workers' own base temporary directories,
+#: which pytest removes with its older runs.
+SHARED_DIR_ENV = "GRADWEIGHT_TEST_SHARED_DIR"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_directory(tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.getbasetemp()
+    os.environ[SHARED_DIR_ENV] = str(base.parent if "PYTEST_XDIST_WORKER" in os.environ else base)
+
+
 #: Where an xdist worker hands its audit to the controller (`config.workeroutput`, which xdist
 #: sends once the worker's session has finished).
 LEAKS_KEY = "gradweight_process_leaks"
