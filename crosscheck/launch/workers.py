@@ -32,7 +32,7 @@ import pickle
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -227,23 +227,25 @@ def report_jax_job(
     *,
     timeout_s: float,
     prefix: str,
+    dtype: str = "float64",
+    extra: Mapping[str, Any] | None = None,
+    item_error: Callable[[str], Exception] = RuntimeError,
 ) -> None:
     """Run every item in one JAX worker (`run_jax_job` with ``{"cases": items, "dtype":
-    "float64"}``) and report each through ``on_done(item, output_or_error)``, exactly once:
-    a worker that fails fails every item with its error, an item the worker failed (a
-    traceback string) or left out gets a RuntimeError saying so."""
+    dtype, **extra}``) and report each through ``on_done(item, output_or_error)``, exactly
+    once: a worker that fails fails every item with its error, an item the worker failed (a
+    traceback string) or left out gets ``item_error(text)`` saying so."""
+    job = {"cases": list(items), "dtype": dtype, **(extra or {})}
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         try:
-            results = run_jax_job(
-                module, {"cases": list(items), "dtype": "float64"}, Path(tmp), timeout_s=timeout_s
-            )
+            results = run_jax_job(module, job, Path(tmp), timeout_s=timeout_s)
         except Exception as error:
             for item in items:
                 on_done(item, error)
             return
     for item in items:
         result = results.get(item, "the worker produced no result for this case")
-        on_done(item, RuntimeError(result) if isinstance(result, str) else result)
+        on_done(item, item_error(result) if isinstance(result, str) else result)
 
 
 def report_launch_each(

@@ -25,7 +25,7 @@ from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
 from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import jax_launch, run_jax_job, worker_zygote
+from crosscheck.launch.workers import jax_launch, report_jax_job, worker_zygote
 from crosscheck.run.jax_worker import id_space
 
 OnDone = Callable[[Case, CaseOutput | BaseException], None]
@@ -74,21 +74,16 @@ def _run_in_process(
     cases: list[Case], settings: TrainSettings, on_done: OnDone, dtype: str
 ) -> None:
     """One worker process with eight CPU devices runs `cases`, all of one dtype."""
-    with tempfile.TemporaryDirectory(prefix="gradweight-jax-") as tmp:
-        try:
-            results = run_jax_job(
-                "crosscheck.run.jax_worker",
-                {"cases": cases, "settings": settings, "dtype": dtype},
-                Path(tmp),
-                timeout_s=WORKER_TIMEOUT_S,
-            )
-        except Exception as error:
-            for case in cases:
-                on_done(case, error)
-            return
-    for case in cases:
-        result = results.get(case, "the worker produced no result for this case")
-        on_done(case, JaxCaseError(result) if isinstance(result, str) else result)
+    report_jax_job(
+        "crosscheck.run.jax_worker",
+        cases,
+        on_done,
+        timeout_s=WORKER_TIMEOUT_S,
+        prefix="gradweight-jax-",
+        dtype=dtype,
+        extra={"settings": settings},
+        item_error=JaxCaseError,
+    )
 
 
 def _multiprocess_output(

@@ -205,7 +205,10 @@ def _run_windows(
         skew=step.skew,
         clip_norm=step.clip_norm,
         context_size=C,
-        unsplit=rank_microbatches(step.batch, rank // C, world_size // C, step.accum_steps),
+        # Without context parallel the rank's microbatches are already its whole rows.
+        unsplit=microbatches
+        if C == 1
+        else rank_microbatches(step.batch, rank // C, world_size // C, step.accum_steps),
     )
     window_step = WINDOW_STEPS[step.pattern]
     logged = math.nan
