@@ -37,6 +37,8 @@ EXAMPLES: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("jax", "examples.jax_optax_float32:step", "token_mean", ()),
     ("jax", "examples.jax_grpo_prompt_mean:step", "group_token_mean", ()),
     ("jax", "examples.jax_flax_model:step", "token_mean", ("--model", FLAX_MODEL)),
+    ("torch", "examples.torch_context_parallel:step", "token_mean", ()),
+    ("jax", "examples.jax_context_parallel:step", "token_mean", ()),
     ("torch", "examples.torch_objective:step", "objective:examples.objectives:MOE", ()),
     ("jax", "examples.jax_objective:step", "objective:examples.objectives:MOE", ()),
 )  # fmt: skip

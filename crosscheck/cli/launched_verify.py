@@ -97,6 +97,9 @@ def launched_verify(args: argparse.Namespace, console: Console) -> int | None:
                 precision="float64" if args.strict else args.precision,
                 dtype=args.dtype,
                 run_jobs=job.run,
+                # Refused under a launcher (verify's _context_problem), never dropped.
+                context_sizes=args.context_sizes,
+                context_orders=args.context_orders,
             )
         except ValueError as error:  # alike on every rank, before the step ran
             return job.agree(_refuse(console, rank, str(error)))

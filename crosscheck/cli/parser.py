@@ -20,11 +20,17 @@ from pathlib import Path
 
 from crosscheck.cli.outputs import output_file, print_error
 from crosscheck.contract.cases import STRATEGIES
+from crosscheck.contract.layout import CONTEXT_ORDERS
 from crosscheck.fixtures.builtin import fixture_reference
 from crosscheck.launch.devices import JAX_PLATFORMS, TORCH_DEVICES
 from crosscheck.run.implementations import IMPLEMENTATIONS
 from crosscheck.verification.objective_verify import OBJECTIVE_FIXTURES
-from crosscheck.verification.verifier import DEFAULT_FIXTURES, DEFAULT_LAYOUTS, SPEC_FIXTURES
+from crosscheck.verification.verifier import (
+    DEFAULT_CONTEXT_LAYOUTS,
+    DEFAULT_FIXTURES,
+    DEFAULT_LAYOUTS,
+    SPEC_FIXTURES,
+)
 
 
 def _int_list(text: str) -> list[int]:
@@ -47,6 +53,21 @@ def _fixture_list(text: str) -> list[str]:
 
 def _name_list(text: str) -> list[str]:
     return [part for part in text.split(",") if part]
+
+
+def _context_orders(text: str) -> list[str]:
+    orders = _name_list(text)
+    wrong = [order for order in orders if order not in CONTEXT_ORDERS]
+    if wrong or not orders:
+        raise argparse.ArgumentTypeError(
+            f"context orders are {' and '.join(CONTEXT_ORDERS)}, comma-separated; got {text!r}"
+        )
+    return orders
+
+
+def _context_layouts() -> list[str]:
+    """verify's default context-parallel layouts as --help writes them."""
+    return [f"{R}x{M}x{C} {order}" for R, M, C, order in DEFAULT_CONTEXT_LAYOUTS]
 
 
 _WORLD_SIZES = (
@@ -262,6 +283,20 @@ def _add_verify(commands: argparse._SubParsersAction) -> None:
         "--accum-steps",
         type=_int_list,
         help=f"{_ACCUM_STEPS}; see --world-sizes (default: as --world-sizes)",
+    )
+    verify.add_argument(
+        "--context-sizes",
+        type=_int_list,
+        help="context-parallel ranks C, comma-separated, for a step that declares `context` "
+        "(docs/verify.md#context-parallel): every row's positions split over C; combined "
+        "with --world-sizes, --accum-steps and --context-orders (default for such a step: "
+        "the layouts R, M, C " + ", ".join(_context_layouts()) + "; else 1)",
+    )
+    verify.add_argument(
+        "--context-orders",
+        type=_context_orders,
+        help="how a row's positions are dealt to the context ranks: zigzag (Megatron-LM's and "
+        "torchtitan's load balance), contiguous, or both comma-separated (default: zigzag)",
     )
     verify.add_argument(
         "--timeout",

@@ -59,7 +59,7 @@ def verify_table(report: VerifyReport) -> Table:
         d = case.diagnosis
         table.add_row(
             case.job.fixture,
-            f"R={case.job.world_size},M={case.job.accum_steps}",
+            str(case.job.layout),
             _error(case.max_rel_err),
             "-" if d is None else LEVEL_NAMES[d.precision],
             "-" if d is None else d.best_match,
@@ -87,7 +87,7 @@ def compact_verify_table(report: VerifyReport) -> Table:
         if d is not None:
             numbers += [_number(d.weight_ratio, ".4g"), _number(d.scale, ".6g")]
         table.add_row(
-            f"{case.job.fixture}\nR={case.job.world_size},M={case.job.accum_steps}",
+            f"{case.job.fixture}\n{case.job.layout}",
             "-" if d is None else f"{d.best_match}\n{LEVEL_NAMES[d.precision]}",
             "\n".join(numbers),
             _result(case),
@@ -111,7 +111,7 @@ def objective_table(report: ObjectiveReport) -> Table:
         if d is not None and "(" not in name and off:
             name += f" (terms off: {', '.join(off)})"
         table.add_row(
-            f"{case.job.fixture}\nR={case.job.world_size},M={case.job.accum_steps}",
+            f"{case.job.fixture}\n{case.job.layout}",
             f"{_error(case.max_rel_err)}\n{'-' if case.level is None else LEVEL_NAMES[case.level]}",
             name,
             _result(case),
@@ -158,7 +158,7 @@ def write_verify_report(
             except ValueError as error:  # nothing to draw: say why, keep the verdict
                 print_error(f"crosscheck verify: --plot {args.plot}: {error}")
             else:
-                case = f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}"
+                case = diagnosis.case
                 console.print(
                     f"wrote {args.plot} ({case})", markup=False, highlight=False, soft_wrap=True
                 )
@@ -197,6 +197,8 @@ def verify_command(args: argparse.Namespace, console: Console) -> int:
                 platform=args.platform,
                 model=args.model,
                 forward=args.forward,
+                context_sizes=args.context_sizes,
+                context_orders=args.context_orders,
             )
     except ValueError as error:  # StepSetupError included: refused before any process started
         return refuse(console, f"crosscheck verify: {error}")

@@ -103,6 +103,11 @@ class Layout:
             )
         return num_rows // self.num_microbatches
 
+    def spelled(self) -> str:
+        """The layout in words, as messages name a case: ``R=2 M=2`` (``R=2 M=2 C=2 zigzag``)."""
+        context = f" C={self.context_size} {self.context_order}" if self.context_size > 1 else ""
+        return f"R={self.world_size} M={self.accum_steps}{context}"
+
     def __str__(self) -> str:
         text = f"R={self.world_size},M={self.accum_steps}"
         if self.context_size > 1:

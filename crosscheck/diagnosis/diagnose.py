@@ -276,6 +276,8 @@ def diagnose(
         fixture=fixture.name,
         world_size=world_size,
         accum_steps=accum_steps,
+        context_size=context_size,
+        context_order=context_order,
         scheme=scheme,
         dtype=dtype,
         precision=judged_at,

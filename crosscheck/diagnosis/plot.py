@@ -24,6 +24,8 @@ from typing import Any
 
 def _title(diagnosis: Any, what: str) -> str:
     case = f"{diagnosis.fixture}, R={diagnosis.world_size}, M={diagnosis.accum_steps}"
+    if diagnosis.context_size > 1:
+        case += f", C={diagnosis.context_size} {diagnosis.context_order}"
     if not diagnosis.detected:
         verdict = f"matches {diagnosis.intended} ({diagnosis.precision} level)"
     else:
@@ -38,7 +40,7 @@ def plot_diagnosis(diagnosis: Any, path: str | Path, what: str = "") -> Path:
     """Write the PNG of `diagnosis` to `path` and return the path. `what` (a step's name)
     opens the title. Raises ValueError for a diagnosis with nothing to draw: no recovered
     group weights, or a gradient holding NaN or inf (its weights are not numbers)."""
-    case = f"{diagnosis.fixture} R={diagnosis.world_size} M={diagnosis.accum_steps}"
+    case = diagnosis.case
     if diagnosis.unusable:
         raise ValueError(f"{case}: nothing to draw: {diagnosis.unusable}")
     if not diagnosis.groups:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from crosscheck.contract.layout import Layout
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.verdict import tolerance
 from crosscheck.judge.compare import finite_or_none
@@ -90,6 +91,18 @@ class Diagnosis:
     #: The framework of the step ("torch" or "jax"): the fix is said in its terms and points
     #: to its docs; None: both frameworks' are given.
     framework: str | None = None
+    #: Context-parallel ranks splitting every row, and their order (1: none).
+    context_size: int = 1
+    context_order: str = "contiguous"
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.accum_steps, self.context_size, self.context_order)
+
+    @property
+    def case(self) -> str:
+        """The fixture and layout in words: ``packed R=2 M=2`` (``... C=2 zigzag``)."""
+        return f"{self.fixture} {self.layout.spelled()}"
 
     @property
     def intended(self) -> str:
@@ -114,6 +127,8 @@ class Diagnosis:
             "fixture": self.fixture,
             "world_size": self.world_size,
             "accum_steps": self.accum_steps,
+            "context_size": self.context_size,
+            "context_order": self.context_order,
             "intended": self.intended,
             "scheme": self.scheme.name,
             "dtype": self.dtype,

@@ -214,7 +214,7 @@ def _shares(jobs: list[VerifyJob], platform: str | None) -> list[list[VerifyJob]
     by_shape: dict[tuple, list[VerifyJob]] = {}
     for job in jobs:
         rows, width = builtin_fixture(job.fixture).targets.shape
-        key = (rows, width, job.world_size, job.accum_steps, job.dtype, job.row_fields)
+        key = (rows, width, job.layout, job.dtype, job.row_fields)
         by_shape.setdefault(key, []).append(job)
     # The cores this process may run on (a cgroup or taskset may give fewer than the machine's).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

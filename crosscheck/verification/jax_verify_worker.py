@@ -38,8 +38,8 @@ from crosscheck.contract.objective_terms import FROZEN_PARAMS
 from crosscheck.contract.row_fields import ROW_FIELD_KEYS
 from crosscheck.diagnosis.verdict import level_of_dtypes
 from crosscheck.launch.workers import write_atomically
-from crosscheck.verification.protocol import VerifyJob, take_logged_denominator
-from crosscheck.verification.step_check import takes_optimizer
+from crosscheck.verification.protocol import ContextAxis, VerifyJob, take_logged_denominator
+from crosscheck.verification.step_check import takes_context, takes_optimizer
 
 PARAM_NAMES = ("embed", "unembed")
 _LIBRARY_DIRS = tuple(
@@ -91,11 +91,12 @@ def import_step(spec: str, cwd: str) -> Callable[..., Any]:
     return step
 
 
-def _takes_optimizer(step: Callable[..., Any]) -> bool:
-    """Whether the step asks for an optimizer (`step_check.takes_optimizer`: the rule the
-    up-front check binds it by); a builtin or C callable without a signature does not."""
+def _asks_for(step: Callable[..., Any], rule: Callable[[inspect.Signature], bool]) -> bool:
+    """Whether the step asks for an optimizer or a context (`step_check.takes_optimizer`,
+    `takes_context`: the rules the up-front check binds it by); a builtin or C callable
+    without a signature asks for neither."""
     try:
-        return takes_optimizer(inspect.signature(step))
+        return rule(inspect.signature(step))
     except (TypeError, ValueError):
         return False
 
@@ -141,6 +142,31 @@ def _mesh(world_size: int) -> Any:
     from jax_impl.shard_map_step import data_mesh
 
     return data_mesh(world_size, "data")
+
+
+@functools.cache
+def _context_mesh(world_size: int, context_size: int) -> Any:
+    from jax_impl.context_parallel import context_mesh
+
+    return context_mesh(world_size, context_size)
+
+
+def _split_context(batch: dict[str, np.ndarray], job: VerifyJob) -> tuple[dict, ContextAxis]:
+    """The [R, M, B, T] batch as a context-parallel step gets it: every token field [R, C, M, B,
+    T/C] (context rank c's positions at [:, c]), every row field [R, C, M, B]; and its
+    `ContextAxis`. The positions are JAX's own reading of the layout
+    (``jax_impl.context_parallel.context_positions``)."""
+    from jax_impl.context_parallel import context_positions
+
+    C = job.context_size
+    positions = context_positions(batch["targets"].shape[-1], C, job.context_order)
+    split = {
+        key: np.stack([value[..., p] for p in positions], axis=1)
+        if value.ndim == 4
+        else np.repeat(value[:, None], C, axis=1)
+        for key, value in batch.items()
+    }
+    return split, ContextAxis(size=C, order=job.context_order, positions=positions)
 
 
 @functools.cache
@@ -193,6 +219,16 @@ def _arguments(
         return with_dtype(user_params, jnp.dtype(job.dtype)), apply_fn, batch, mesh
     params = params_from_numpy(fixture.params(), jnp.dtype(job.dtype))
     return params, _apply_fn(*fixture.embed.shape), batch, mesh or _mesh(job.world_size)
+
+
+def _context_arguments(
+    job: VerifyJob, user_model: tuple[Callable[..., Any], Any] | None = None
+) -> tuple[Any, Any, dict[str, np.ndarray], Any, ContextAxis]:
+    """(params, apply_fn, batch, mesh, context) for a context-parallel step's job: the
+    batch split over the context ranks, the ("data", "context") mesh of R x C devices."""
+    params, apply_fn, batch, _ = _arguments(job, None, user_model)
+    batch, context = _split_context(batch, job)
+    return params, apply_fn, batch, _context_mesh(job.world_size, job.context_size), context
 
 
 def read_gradient(
@@ -262,12 +298,24 @@ def run_job(
     """One call of the step: ("ok", (grads, logged D, returned dtype)) or ("error", a message
     naming the job and cause)."""
     where = f"{job.describe()}: step {spec}"
+    with_context = _asks_for(step, takes_context)
+    if job.context_size > 1 and not with_context:
+        return "error", (
+            f"{where}: a context-parallel layout (C={job.context_size}) needs a step that "
+            "declares a `context` parameter, to know its mesh axis (docs/verify.md#context-"
+            "parallel)"
+        )
+    kwargs: dict[str, Any] = {}
     try:
-        params, apply_fn, batch, mesh = _arguments(job, mesh, user_model)
+        if with_context:
+            params, apply_fn, batch, mesh, kwargs["context"] = _context_arguments(job, user_model)
+        else:
+            params, apply_fn, batch, mesh = _arguments(job, mesh, user_model)
     except Exception as error:
         return "error", f"{where}: cannot set up the job: {type(error).__name__}: {error}"
-    with_optimizer = _takes_optimizer(step)
-    kwargs = {"optimizer": _optimizer()} if with_optimizer else {}
+    with_optimizer = _asks_for(step, takes_optimizer)
+    if with_optimizer:
+        kwargs["optimizer"] = _optimizer()
     take_logged_denominator()  # forget what an earlier job logged
     try:
         out = step(params, apply_fn, batch, mesh, **kwargs)
@@ -284,7 +332,7 @@ def run_job(
                 out = {k: v for k, v in out.items() if k not in FROZEN_PARAMS}
         else:
             expected = {name: tuple(np.shape(params[name])) for name in PARAM_NAMES}
-        grads = read_gradient(out, expected, job.world_size)
+        grads = read_gradient(out, expected, job.processes)
         returned = level_of_dtypes(str(getattr(out[name], "dtype", "")) for name in expected)
     except ValueError as error:
         return "error", f"{where}: the returned {what} {error}"

@@ -74,6 +74,26 @@ frozen param's entry, if any, is ignored).
 or params (JAX) in that dtype instead of float64; the gradient is read back as float64 and
 judged at the precision its own noise shows (``crosscheck.diagnosis.verdict``).
 
+**Context parallel.** A step that declares a parameter named ``context`` is a
+context-parallel step: every row's T positions are split over C context ranks, contiguously
+or in the load-balanced zigzag order (`crosscheck.contract.layout.Layout`,
+docs/contract.md#context-parallel), and the step is called with ``context=`` on top of its
+usual arguments, at every layout (C = 1 too, where the one context rank holds every position).
+torch: the step runs on R x C processes, process r C + c holding data rank r's rows at context
+rank c's positions; ``model`` is wrapped in DDP over all R C processes (so DDP's averaging
+divides by R C); ``microbatches`` hold [B, T/C] tensors, the process's shard of each row; and
+``context`` is a ``torch_impl.harness.user_step.ContextGroup``: ``size`` (C), ``rank`` (c),
+``order``, ``positions`` (the [T/C] row positions the shard holds, increasing), ``mesh`` (the
+2-D ("dp", "cp") ``DeviceMesh``), ``group`` (the C processes that share this process's rows)
+and ``data_group`` (the R processes at this context rank). JAX: ``mesh`` is a 2-D ``Mesh`` of R
+x C devices with axes ``("data", "context")``; every token array of ``batch`` is laid out [R, C,
+M, B, T/C] (context rank c's positions of rank r's rows at ``[r, c]``), every row field [R, C,
+M, B]; and ``context`` is a `ContextAxis` (``size``, ``order``, ``positions`` [C, T/C], ``axis``
+``"context"``). Either way the intended gradient is the one without the split: the count of a
+token-level scheme is reduced over data x context ranks, a segment's or group's over the
+context ranks its positions lie on. A leading device axis on a returned leaf is accepted with
+R C replicas.
+
 **The logged denominator.** Two bugs can give the same gradient and differ only in what the
 step believes D is (missing-world-size divides by D under an averaging reduction;
 double-reduce-count divides by R D). A step can say what it divided by, where a training
@@ -94,6 +114,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from crosscheck.contract.layout import Layout
 
 #: What the step in this process logged since the harness last asked (see the docstring).
 _logged_denominators: list[float] = []
@@ -140,10 +162,39 @@ class VerifyJob:
     #: the batch then holds ``mtp_targets`` too when ``mtp_unembed`` is among them. () for a
     #: single scheme, whose step gets the analytic model's ``embed`` and ``unembed``.
     objective_params: tuple[str, ...] = ()
+    #: Context-parallel ranks C splitting every row's positions in `context_order`
+    #: (`crosscheck.contract.layout.Layout`): the step runs on R x C processes (torch) or
+    #: devices (JAX). 1: no split.
+    context_size: int = 1
+    context_order: str = "contiguous"
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.world_size, self.accum_steps, self.context_size, self.context_order)
+
+    @property
+    def processes(self) -> int:
+        """R x C: the torch processes, or JAX devices, one call of the step runs on."""
+        return self.world_size * self.context_size
 
     def describe(self) -> str:
         dtype = "" if self.dtype == "float64" else f" {self.dtype}"
-        return f"{self.fixture} R={self.world_size} M={self.accum_steps}{dtype}"
+        return f"{self.fixture} {self.layout.spelled()}{dtype}"
+
+
+@dataclass(frozen=True, slots=True)
+class ContextAxis:
+    """What a JAX context-parallel step is handed as ``context`` (see the docstring): the mesh
+    axis its shards lie along, how many there are and which positions of a row each holds."""
+
+    #: C, the size of the mesh's ``axis``.
+    size: int
+    #: "contiguous" or "zigzag" (docs/contract.md#context-parallel).
+    order: str
+    #: [C, T/C] int64: row position of every slot of context rank c's shard, increasing.
+    positions: np.ndarray
+    #: The mesh axis name of the context ranks (the data-parallel one is "data").
+    axis: str = "context"
 
 
 @dataclass(frozen=True, slots=True)

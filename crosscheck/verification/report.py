@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from crosscheck.contract.layout import Layout
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.diagnose import Diagnosis
 from crosscheck.diagnosis.explain import fix_text, guide
@@ -115,7 +116,7 @@ class VerifyReport:
             key=lambda c: (
                 c.diagnosis.best_match == best,
                 min(c.job.world_size, c.job.accum_steps) > 1,
-                c.job.world_size * c.job.accum_steps,
+                c.job.processes * c.job.accum_steps,
                 c.max_rel_err,
                 c.job,
             ),
@@ -151,12 +152,18 @@ class VerifyReport:
     def shown(self) -> str:
         """What the run showed, in one sentence."""
         fixtures = sorted({case.job.fixture for case in self.cases})
-        layouts = sorted({(case.job.world_size, case.job.accum_steps) for case in self.cases})
-        text = ", ".join(f"({R}, {M})" for R, M in layouts)
+        layouts = sorted({case.job.layout for case in self.cases}, key=_layout_order)
+        split = any(layout.context_size > 1 for layout in layouts)
+        text = ", ".join(
+            f"({layout.world_size}, {layout.accum_steps}"
+            + (f", {layout.context_size}" if split else "")
+            + (f" {layout.context_order})" if layout.context_size > 1 else ")")
+            for layout in layouts
+        )
         level = LEVEL_NAMES.get(self.level or "", "no precision")
         return (
-            f"{self.scheme.name} on fixtures {', '.join(fixtures)} at layouts (R, M) {text}, "
-            f"{level}"
+            f"{self.scheme.name} on fixtures {', '.join(fixtures)} at layouts "
+            f"{'(R, M, C order)' if split else '(R, M)'} {text}, {level}"
         )
 
     def headline(self) -> str:
@@ -258,10 +265,7 @@ class VerifyReport:
             else:
                 lines.append(f"Explains every case: {best}.")
         if d is not None and not self.ok and best != "error":
-            lines.append(
-                f"Diagnosis on {d.fixture} R={d.world_size} M={d.accum_steps}: "
-                f"{d.best_match}. {d.explanation}"
-            )
+            lines.append(f"Diagnosis on {d.case}: {d.best_match}. {d.explanation}")
             fix = self.fix()
             if fix:
                 lines.append(f"Fix: {fix}")
@@ -282,6 +286,8 @@ class VerifyReport:
             "fixture": None if d is None else d.fixture,
             "world_size": None if d is None else d.world_size,
             "accum_steps": None if d is None else d.accum_steps,
+            "context_size": None if d is None else d.context_size,
+            "context_order": None if d is None else d.context_order,
         }
         return {
             "ok": self.ok,
@@ -319,3 +325,7 @@ def _separation_hint(names: Sequence[str]) -> str:
     if {"double-accum-divide", "missing-world-size"} & set(names):
         return "A layout with R != M (both above 1) tells them apart."
     return "A fixture or layout where they predict different weights tells them apart."
+
+
+def _layout_order(layout: Layout) -> tuple[int, int, int, str]:
+    return (layout.world_size, layout.accum_steps, layout.context_size, layout.context_order)

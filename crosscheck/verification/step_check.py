@@ -230,7 +230,13 @@ for part in attribute.split("."):
     value = getattr(value, part)
 if not callable(value):
     report("not-callable", [origin, f"{type(value).__name__} {value!r:.80}"])
-report("ok")
+import inspect
+try:
+    context = inspect.signature(value).parameters.get("context")
+except (TypeError, ValueError):
+    report("ok", None)
+keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+report("ok", context is not None and context.kind in keyword)
 """
 
 
@@ -277,11 +283,11 @@ PROTOCOL_ARGUMENTS = {
 }
 
 
-def takes_optimizer(signature: inspect.Signature) -> bool:
-    """Whether a step declares an ``optimizer`` parameter that can be passed by keyword (a
-    bare ``**kwargs`` does not count: the step must ask for the optimizer to be held to the
-    convention that goes with it). The JAX worker reads its steps by this rule too."""
-    parameter = signature.parameters.get("optimizer")
+def _declares(signature: inspect.Signature, name: str) -> bool:
+    """Whether a step declares a parameter `name` that can be passed by keyword (a bare
+    ``**kwargs`` does not count: the step must ask for it, to be held to the convention that
+    goes with it)."""
+    parameter = signature.parameters.get(name)
     return parameter is not None and parameter.kind not in (
         inspect.Parameter.POSITIONAL_ONLY,
         inspect.Parameter.VAR_POSITIONAL,
@@ -289,23 +295,39 @@ def takes_optimizer(signature: inspect.Signature) -> bool:
     )
 
 
+def takes_optimizer(signature: inspect.Signature) -> bool:
+    """Whether a step asks for an ``optimizer`` (`_declares`). The runners read their steps
+    by this rule too."""
+    return _declares(signature, "optimizer")
+
+
+def takes_context(signature: inspect.Signature) -> bool:
+    """Whether a step is context-parallel: it declares a ``context`` parameter (`_declares`;
+    crosscheck.verification.protocol, "Context parallel"). The runners read it alike."""
+    return _declares(signature, "context")
+
+
 def _binds(signature: inspect.Signature, framework: str) -> str:
     """'' when the framework's harness can call a function of `signature`, else why not."""
     arguments = PROTOCOL_ARGUMENTS[framework]
-    optimizer = {"optimizer": None} if takes_optimizer(signature) else {}
+    keywords = {
+        name: None
+        for name, declared in (
+            ("optimizer", takes_optimizer(signature)),
+            ("context", takes_context(signature)),
+        )
+        if declared
+    }
     try:
-        signature.bind(*arguments, **optimizer)
+        signature.bind(*arguments, **keywords)
     except TypeError as error:
         return str(error)
     return ""
 
 
-def _signature_problem(function: ast.stmt, framework: str) -> str:
-    """Why the harness of `framework` cannot call the plain function `function` (read from its
-    source, never run), or ''. A decorated function, or a class, may take anything: ''."""
-    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) or function.decorator_list:
-        return ""
-    # The same parameters with no annotations, defaults or body: nothing of the user's runs.
+def _stub_signature(function: ast.FunctionDef | ast.AsyncFunctionDef) -> inspect.Signature:
+    """The signature of a plain function read from its source: the same parameters with no
+    annotations, defaults or body, so that nothing of the user's runs."""
     arguments = ast.arguments(
         posonlyargs=[ast.arg(a.arg) for a in function.args.posonlyargs],
         args=[ast.arg(a.arg) for a in function.args.args],
@@ -318,7 +340,21 @@ def _signature_problem(function: ast.stmt, framework: str) -> str:
     stub = ast.FunctionDef(function.name, arguments, [ast.Pass()], [], None, type_params=[])
     namespace: dict[str, Any] = {}
     exec(compile(ast.fix_missing_locations(ast.Module([stub], [])), "<step>", "exec"), namespace)
-    signature = inspect.signature(namespace[function.name])
+    return inspect.signature(namespace[function.name])
+
+
+def _plain_function(node: ast.stmt) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """`node` when it is an undecorated function, whose signature its source tells; a
+    decorated function, or a class, may take anything: None."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.decorator_list:
+        return node
+    return None
+
+
+def _signature_problem(function: ast.FunctionDef | ast.AsyncFunctionDef, framework: str) -> str:
+    """Why the harness of `framework` cannot call the plain function `function` (read from its
+    source, never run), or ''."""
+    signature = _stub_signature(function)
     why = _binds(signature, framework)
     if not why:
         return ""
@@ -378,7 +414,7 @@ def check_step(
     cwd: str | None = None,
     timeout_s: float = STEP_CHECK_TIMEOUT_S,
     option: str = "--step",
-) -> None:
+) -> bool | None:
     """Raise `StepSetupError` if ``MODULE:FUNCTION`` names no importable module, or a module
     without that callable, as the runners would import it from `cwd` (default: the current
     directory, first on the path).
@@ -392,6 +428,11 @@ def check_step(
     a module that raises at import, or a check that cannot finish, is left to the runners,
     which report it per case in their own environment. `option` names what is checked in
     the message (``--model`` and ``--forward`` name callables too).
+
+    Returns whether the callable declares a ``context`` parameter (`takes_context`: a
+    context-parallel step), or None where that cannot be told without running the user's
+    code (a decorated function or a class in a plain source file, a check that did not
+    finish).
     """
     module, _, function = step_name(step).partition(":")
     cwd = os.getcwd() if cwd is None else cwd
@@ -423,10 +464,13 @@ def check_step(
             )
         found = None if tree is None else _top_level(tree, function)
         if found is not None:
-            problem = _signature_problem(found, framework) if option == "--step" else ""
+            plain = _plain_function(found)
+            if plain is None:
+                return None
+            problem = _signature_problem(plain, framework) if option == "--step" else ""
             if problem:
                 raise StepSetupError(f"{option} {step}: {problem}")
-            return
+            return takes_context(_stub_signature(plain))
     found = _import_check(module, function, cwd, framework, timeout_s)
     kind = None if found is None else found.get("kind")
     detail = None if found is None else found.get("detail")
@@ -449,3 +493,4 @@ def check_step(
         raise StepSetupError(
             f"{option} {step}: {module}:{function} ({where}) is not callable: it is {what}"
         )
+    return detail if kind == "ok" and isinstance(detail, bool) else None

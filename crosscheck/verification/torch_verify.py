@@ -96,7 +96,7 @@ def _job_problem(job: VerifyJob) -> str:
         return "world_size and accum_steps must be >= 1"
     if job.dtype not in ("float64", "float32", "bfloat16"):
         return f"dtype must be float64, float32 or bfloat16, got {job.dtype!r}"
-    return layout_problem(job.fixture, job.world_size, job.accum_steps)
+    return layout_problem(job.fixture, job.world_size, job.accum_steps, job.layout)
 
 
 def _user_job(job: VerifyJob) -> UserStepJob:
@@ -116,6 +116,8 @@ def _user_job(job: VerifyJob) -> UserStepJob:
         accum_steps=job.accum_steps,
         dtype=job.dtype,
         objective=bool(job.objective_params),
+        context_size=job.context_size,
+        context_order=job.context_order,
     )
 
 
@@ -258,7 +260,7 @@ def run(
         if problem:
             results[job] = StepError(f"{job.describe()}: {problem}")
         else:
-            by_world.setdefault(job.world_size, []).append(job)
+            by_world.setdefault(job.processes, []).append(job)
     stopped = ""
     for world_size, group in sorted(by_world.items()):
         if stopped:  # the time is up: nothing more starts

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
+from crosscheck.contract.layout import CONTEXT_ORDERS, Layout
 from crosscheck.contract.schemes import is_v1_scheme, resolve_scheme
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.diagnose import diagnose
@@ -86,6 +87,19 @@ SPEC_FIXTURES: tuple[str, ...] = (*DEFAULT_FIXTURES, "rollouts", "continued-docu
 #: Ranks alone, accumulation alone, both with R = M, four ranks, and both with R != M (where
 #: an extra factor R and an extra factor M differ).
 DEFAULT_LAYOUTS: tuple[tuple[int, int], ...] = ((2, 1), (1, 2), (2, 2), (4, 1), (2, 4))
+#: A context-parallel step's layouts (R, M, C, order) instead: C 2 and 4, R and M 1 and 2,
+#: both orders, at most R C = 4 processes (a count missing the context ranks differs from one
+#: with them only where C > 1, a count over the data ranks only only where R > 1 too). C = 4
+#: is contiguous: zigzag's 8 chunks of ragged's 24 positions cut its 144 rows into 213
+#: (row, segment, context rank) groups, some so nearly spanned by the others that the fit's
+#: standard error on one reached 0.9 and the sensitivity line promised only 1 + 8.6e-02
+#: (contiguous: 176 groups, 1 + 1.0e-05 at float32-level, as at C = 1).
+DEFAULT_CONTEXT_LAYOUTS: tuple[tuple[int, int, int, str], ...] = (
+    (1, 1, 2, "zigzag"),
+    (2, 1, 2, "contiguous"),
+    (1, 2, 4, "contiguous"),
+    (2, 2, 2, "zigzag"),
+)
 DEFAULT_TIMEOUT_S = 120.0
 DTYPES: tuple[str, ...] = ("float64", "float32", "bfloat16")
 
@@ -96,34 +110,62 @@ def jobs_for(
     accum_steps: Sequence[int] | None,
     dtype: str = "float64",
     row_fields: bool = False,
+    context_sizes: Sequence[int] | None = None,
+    context_orders: Sequence[str] | None = None,
+    context_step: bool = False,
 ) -> list[VerifyJob]:
-    """Every (fixture, R, M) asked for. A layout asked for explicitly that does not divide a
-    fixture's rows is refused, naming both: a check that was asked for never silently drops.
-    Default layouts are kept where they divide (each fixture keeps at least one)."""
+    """Every (fixture, R, M, C, order) asked for. A layout asked for explicitly that does not
+    divide a fixture's rows (R x M) or positions (C, or 2 C for zigzag) is refused, naming
+    both: a check that was asked for never silently drops. Default layouts are kept where they
+    fit (each fixture keeps at least one): DEFAULT_LAYOUTS, or DEFAULT_CONTEXT_LAYOUTS for a
+    `context_step` (one that declares ``context``). Given any of `world_sizes`, `accum_steps`,
+    `context_sizes` and `context_orders`, the layouts are their product, the ones left out
+    defaulting to (1, 2), (1, 2), (1,) (a context step: (2,)) and ("zigzag",)."""
     names = list(fixtures or DEFAULT_FIXTURES)
-    explicit = world_sizes is not None or accum_steps is not None
+    explicit = any(x is not None for x in (world_sizes, accum_steps, context_sizes, context_orders))
     if explicit:
-        layouts = [(R, M) for R in world_sizes or (1, 2) for M in accum_steps or (1, 2)]
+        layouts = [
+            Layout(R, M, C, order if C > 1 else "contiguous")
+            for R in world_sizes or (1, 2)
+            for M in accum_steps or (1, 2)
+            for C in context_sizes or ((2,) if context_step else (1,))
+            for order in context_orders or ("zigzag",)
+        ]
+        layouts = list(dict.fromkeys(layouts))  # C = 1 is one layout whatever the order
+    elif context_step:
+        layouts = [Layout(*layout) for layout in DEFAULT_CONTEXT_LAYOUTS]
     else:
-        layouts = list(DEFAULT_LAYOUTS)
+        layouts = [Layout(R, M) for R, M in DEFAULT_LAYOUTS]
     jobs = []
     for name in names:
         fixture = builtin_fixture(name)
-        rows, fits = fixture.num_rows, fixture.fits
-        fitting = [(R, M) for R, M in layouts if fits(R, M)]
-        misfits = [(R, M) for R, M in layouts if not fits(R, M)]
+        rows, width = fixture.num_rows, fixture.seq_len
+        fit = {layout: layout.divides(rows) and layout.splits(width) for layout in layouts}
+        fitting = [layout for layout in layouts if fit[layout]]
+        misfits = [layout for layout in layouts if not fit[layout]]
         if (explicit and misfits) or not fitting:
-            text = ", ".join(f"R={R},M={M}" for R, M in misfits)
+            text = ", ".join(str(layout) for layout in misfits)
+            rule = "R x M must divide the rows"
+            if any(layout.context_size > 1 for layout in layouts):
+                rule += f", and C (2 C for zigzag) its {width} positions"
             raise ValueError(
-                f"fixture {name!r} has {rows} rows: no layout divides them among {text}; "
-                "choose layouts with R x M dividing the rows, or other fixtures"
+                f"fixture {name!r} has {rows} rows of {width} positions: no layout among "
+                f"{text} divides them ({rule}); choose other layouts or other fixtures"
                 if not fitting
-                else f"fixture {name!r} has {rows} rows, which {text} does not divide "
-                "(R x M must divide the rows); drop that layout or that fixture"
+                else f"fixture {name!r} has {rows} rows of {width} positions, which {text} does "
+                f"not divide ({rule}); drop that layout or that fixture"
             )
         jobs += [
-            VerifyJob(fixture=name, world_size=R, accum_steps=M, dtype=dtype, row_fields=row_fields)
-            for R, M in fitting
+            VerifyJob(
+                fixture=name,
+                world_size=layout.world_size,
+                accum_steps=layout.accum_steps,
+                dtype=dtype,
+                row_fields=row_fields,
+                context_size=layout.context_size,
+                context_order=layout.context_order,
+            )
+            for layout in fitting
         ]
     return jobs
 
@@ -157,6 +199,8 @@ def judge(
             basis=None if reference is None else reference.bases[job.fixture],
             intended_grads=None if reference is None else reference.intended[job],
             framework=framework,
+            context_size=job.context_size,
+            context_order=job.context_order,
         )
     except ValueError as error:  # wrong keys or shapes that got past the runner
         return VerifyCase(job, math.inf, False, None, f"StepError: {error}")
@@ -182,6 +226,8 @@ def verify(
     run_jobs: Callable[[str, list[VerifyJob]], dict] | None = None,
     model: str | Callable | None = None,
     forward: str | Callable | None = None,
+    context_sizes: Sequence[int] | None = None,
+    context_orders: Sequence[str] | None = None,
 ) -> VerifyReport | ObjectiveReport:
     """Run `step` (see crosscheck.verification.protocol) on every fixture and layout and judge it.
 
@@ -207,6 +253,10 @@ def verify(
     gradient and group basis (`crosscheck.verification.model_basis`); `forward`
     (``MODULE:FN``) is how the reference gets its logits (docs/verify.md, "Bring your own
     model").
+
+    A step that declares a ``context`` parameter is context-parallel (the protocol's "Context
+    parallel"): it runs at DEFAULT_CONTEXT_LAYOUTS, or at `context_sizes` C x
+    `context_orders` ("zigzag", "contiguous") with the other layout arguments.
 
     Raises ValueError for bad arguments, and `StepSetupError` (a ValueError) when `step`
     cannot run as given (`check_step`) or, in torch, when the call comes from a script's top
@@ -249,7 +299,24 @@ def verify(
         raise StepSetupError(missing)
     name = step_name(step)
     row_fields = intended is not None and not is_v1_scheme(intended)
-    jobs = jobs_for(fixtures, world_sizes, accum_steps, dtype, row_fields=row_fields)
+    # Once, before any process starts: a step that does not exist is a set-up error (raised
+    # here, exit 2 on the command line), never a failing case per fixture and layout.
+    context_step = check_step(name, framework, timeout_s=min(timeout_s, STEP_CHECK_TIMEOUT_S))
+    context_problem = _context_problem(
+        name, context_step, context_sizes, context_orders, terms, model, run_jobs
+    )
+    if context_problem:
+        raise StepSetupError(context_problem)
+    jobs = jobs_for(
+        fixtures,
+        world_sizes,
+        accum_steps,
+        dtype,
+        row_fields=row_fields,
+        context_sizes=context_sizes,
+        context_orders=context_orders,
+        context_step=bool(context_step),
+    )
     if terms is not None and model is None:  # the fixture model family's params
         jobs = [replace(job, objective_params=terms.param_names) for job in jobs]
     # Where the step runs: torch ranks on a device, JAX workers on a platform (docs/gpu.md); a
@@ -257,7 +324,7 @@ def verify(
     if run_jobs is not None:
         place = {}
     elif framework == "torch":
-        ranks = max(job.world_size for job in jobs)
+        ranks = max(job.processes for job in jobs)
         place = {"device": resolve_torch_device(device, ranks)}
     else:
         platform = platform or chosen_platform()  # cpu unless a run set one
@@ -265,9 +332,6 @@ def verify(
         if problem:
             raise DeviceError(problem)
         place = {"platform": platform}
-    # Once, before any process starts: a step that does not exist is a set-up error (raised
-    # here, exit 2 on the command line), never a failing case per fixture and layout.
-    check_step(name, framework, timeout_s=min(timeout_s, STEP_CHECK_TIMEOUT_S))
     reference, model_name = None, ""
     if model is not None:
         if run_jobs is not None:
@@ -341,6 +405,45 @@ def verify(
         model_dtype="float64" if reference is None else reference.dtype,
         model_refused="" if reference is None else reference.refused,
     )
+
+
+def _context_problem(
+    name: str,
+    context_step: bool | None,
+    context_sizes: Sequence[int] | None,
+    context_orders: Sequence[str] | None,
+    terms: Any,
+    model: Any,
+    run_jobs: Any,
+) -> str:
+    """Why the context-parallel part of a verification cannot run as asked, or ''."""
+    for size in context_sizes or ():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            return f"context sizes are whole numbers >= 1, got {size!r}"
+    for order in context_orders or ():
+        if order not in CONTEXT_ORDERS:
+            return f"context orders are {' and '.join(CONTEXT_ORDERS)}, got {order!r}"
+    split = any(size > 1 for size in context_sizes or ())
+    if split and context_step is False:
+        sizes = ",".join(map(str, context_sizes or ()))
+        return (
+            f"--context-sizes {sizes}: the step {name} declares no `context` parameter, so it "
+            "cannot know its context-parallel group; a context-parallel step takes "
+            "context= beside its other arguments (docs/verify.md#context-parallel)"
+        )
+    if not (split or context_step):
+        return ""
+    for given, what in (
+        (terms, "--objective"),
+        (model, "--model"),
+        (run_jobs, "a launcher's job (torchrun, --coordinator)"),
+    ):
+        if given is not None:
+            return (
+                f"the context-parallel step {name} cannot be verified with {what} yet: verify it "
+                "on the analytic model with --scheme, in a run of its own"
+            )
+    return ""
 
 
 def _never_reported(job: VerifyJob) -> StepError:

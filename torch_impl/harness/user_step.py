@@ -54,7 +54,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torch_impl.batch import BATCH_KEYS, OPTIONAL_KEYS, rank_microbatches
+from torch_impl.batch import (
+    BATCH_KEYS,
+    OPTIONAL_KEYS,
+    context_microbatches,
+    context_positions,
+    rank_microbatches,
+)
+from torch_impl.fsdp import context_parallel_mesh
 from torch_impl.harness.jobs import BatchJob
 from torch_impl.harness.model_reference import ModelSetupError, fresh_model, load_callable
 from torch_impl.harness.rank_worker import finish_rank, write_atomic, write_pickle
@@ -90,6 +97,34 @@ class UserStepJob(BatchJob):
     #: read; a frozen reference among them gets no gradient), and the batch may hold
     #: ``mtp_targets``, handed on in every microbatch.
     objective: bool = False
+    #: Context-parallel ranks C splitting every row's positions in `context_order`
+    #: (``torch_impl.batch.context_positions``): the launch's P processes are R = P / C data
+    #: ranks of C context ranks each, process r C + c at [r, c].
+    context_size: int = 1
+    context_order: str = "contiguous"
+
+
+@dataclass(frozen=True, slots=True)
+class ContextGroup:
+    """What a context-parallel step is handed as ``context=`` on process r C + c
+    (crosscheck.verification.protocol, "Context parallel")."""
+
+    #: C: the context ranks that split each row.
+    size: int
+    #: c: which of them this process is.
+    rank: int
+    #: "contiguous" or "zigzag": how a row's positions are dealt to the context ranks.
+    order: str
+    #: [T/C] int64: the row positions this process's shard holds, increasing (what a model
+    #: with position embeddings or a causal mask reads).
+    positions: torch.Tensor
+    #: The 2-D ("dp", "cp") DeviceMesh of R x C processes (``torch_impl.fsdp.
+    #: context_parallel_mesh``): ``mesh["cp"]`` is `group`, ``mesh["dp"]`` `data_group`.
+    mesh: Any
+    #: The C processes r C + c' holding this process's rows (c' = 0 .. C - 1).
+    group: dist.ProcessGroup
+    #: The R processes r' C + c at this context rank (r' = 0 .. R - 1).
+    data_group: dist.ProcessGroup
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,6 +170,8 @@ class LoadedStep:
     fn: Callable[..., Any]
     factory: bool
     takes_optimizer: bool
+    #: The step declares ``context``: it is context-parallel, handed a `ContextGroup`.
+    takes_context: bool = False
 
 
 def import_error_path(status_dir: str, rank: int) -> str:
@@ -161,15 +198,27 @@ def load_step(spec: str, cwd: str) -> LoadedStep:
         raise ImportError(f"cannot read the signature of the step {spec!r}: {error}") from None
     names = list(signature.parameters)
     factory = bool(names) and names[0] == "model_factory"
-    takes_optimizer = "optimizer" in signature.parameters
+    keywords = {name: None for name in ("optimizer", "context") if _declares(signature, name)}
     try:  # a signature that cannot take the protocol's arguments fails every job alike
-        signature.bind(None, None, **({"optimizer": None} if takes_optimizer else {}))
+        signature.bind(None, None, **keywords)
     except TypeError as error:
         first = "model_factory" if factory else "model"
         raise ImportError(
-            f"the step {spec!r} must accept ({first}, microbatches[, optimizer]): {error}"
+            f"the step {spec!r} must accept ({first}, microbatches[, optimizer][, context]): "
+            f"{error}"
         ) from None
-    return LoadedStep(fn, factory, takes_optimizer)
+    return LoadedStep(fn, factory, "optimizer" in keywords, "context" in keywords)
+
+
+def _declares(signature: inspect.Signature, name: str) -> bool:
+    """Whether the step asks for `name` by a parameter that takes a keyword (a bare
+    ``**kwargs`` does not ask; the rule of ``crosscheck verify``'s up-front check)."""
+    parameter = signature.parameters.get(name)
+    return parameter is not None and parameter.kind not in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.VAR_KEYWORD,
+    )
 
 
 _CPP_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h):\d+\] ")
@@ -199,6 +248,13 @@ def _error_kind(error: BaseException) -> str:
 
 
 def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Process `rank`'s M microbatches as the step gets them: its rows, and under context
+    parallel (`world_size` processes of C context ranks each) its shard of their positions."""
+    if job.context_size > 1:
+        R, C = world_size // job.context_size, job.context_size
+        batches = context_microbatches(job.batch, rank, R, C, job.accum_steps, job.context_order)
+    else:
+        batches = rank_microbatches(job.batch, rank, world_size, job.accum_steps)
     # The four v1 arrays, and contract v2's fields where the fixture gives them.
     out = [
         {
@@ -206,7 +262,7 @@ def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str
             for key in (*BATCH_KEYS, *OPTIONAL_KEYS)
             if getattr(batch, key) is not None
         }
-        for batch in rank_microbatches(job.batch, rank, world_size, job.accum_steps)
+        for batch in batches
     ]
     shifted = job.batch.get("mtp_targets")
     if shifted is not None:  # the same rows as every other array: B of them per microbatch
@@ -218,6 +274,31 @@ def _microbatches(job: UserStepJob, rank: int, world_size: int) -> list[dict[str
     return out
 
 
+@functools.cache
+def _context_mesh(data_parallel: int, context_parallel: int, device_type: str) -> Any:
+    """The ("dp", "cp") mesh, built once per process and shape (every process builds it at
+    the same job: the jobs run in the same order everywhere, as DeviceMesh's groups need)."""
+    return context_parallel_mesh(data_parallel, context_parallel, device_type)[0]
+
+
+def context_group(job: UserStepJob, process: int, processes: int) -> ContextGroup:
+    """Process `process`'s `ContextGroup` for `job` (of `processes` = R x C)."""
+    C = job.context_size
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = _context_mesh(processes // C, C, device_type)
+    seq_len = int(np.shape(job.batch["targets"])[1])
+    positions = context_positions(seq_len, C, job.context_order)[process % C]
+    return ContextGroup(
+        size=C,
+        rank=process % C,
+        order=job.context_order,
+        positions=torch.tensor(positions, dtype=torch.long),
+        mesh=mesh,
+        group=mesh["cp"].get_group(),
+        data_group=mesh["dp"].get_group(),
+    )
+
+
 def run_job(
     step: LoadedStep,
     job: UserStepJob,
@@ -226,7 +307,17 @@ def run_job(
     user_model: Callable[[torch.dtype], nn.Module] | None = None,
 ) -> RankOutcome:
     """Call the step once on this rank and read its gradient; never raises. `user_model`
-    builds the user's own model in a dtype (None: the analytic model)."""
+    builds the user's own model in a dtype (None: the analytic model). `world_size` is the
+    launch's processes: R x C under context parallel."""
+    if job.context_size > 1 and not step.takes_context:
+        return RankOutcome(
+            rank,
+            None,
+            f"a context-parallel layout (C={job.context_size}) needs a step that declares a "
+            "`context` parameter, to know its context-parallel group (docs/verify.md#context-"
+            "parallel)",
+            RAISED,
+        )
     try:
         microbatches = _microbatches(job, rank, world_size)
         dtype = _DTYPES[job.dtype]
@@ -249,7 +340,9 @@ def run_job(
                 if p.requires_grad  # frozen parameters are no part of the gradient
             }
         optimizer = torch.optim.SGD(first.parameters(), lr=1.0) if step.takes_optimizer else None
-        kwargs = {"optimizer": optimizer} if optimizer is not None else {}
+        kwargs: dict[str, Any] = {"optimizer": optimizer} if optimizer is not None else {}
+        if step.takes_context:
+            kwargs["context"] = context_group(job, rank, world_size)
         if step.factory:
             # The first model is the optimizer's; any later call gets a fresh one.
             unused = [first]
