@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -77,7 +77,7 @@ from jax_impl.denominators import (
 from jax_impl.losses import TokenLossesFn, weighted_loss_sum
 from jax_impl.model import Params
 from jax_impl.spec import SchemeSpec
-from jax_impl.spec_counts import DenominatorParts, rank_spec_terms
+from jax_impl.spec_counts import DenominatorParts, SpecTerms, rank_spec_terms
 
 
 class Strategy(enum.Enum):
@@ -190,6 +190,27 @@ class RankPlan(NamedTuple):
     denominator: jax.Array
 
 
+def spec_terms_once(
+    wanted: Sequence[tuple[SchemeSpec, Strategy]], rank_batch: Batch, axis_name: AxisName
+) -> dict[SchemeSpec, tuple[SpecTerms, object]]:
+    """`rank_spec_terms` of each distinct spec among `wanted` (a sweep's (spec, strategy)
+    pairs), once: a spec's a_t and D's parts come from the labels alone, whatever the strategy,
+    so the configs of one spec (precount and postnorm) share one count pre-pass in the traced
+    program instead of each tracing its own. The psum carries precount's denominator
+    channels when any of the spec's configs is precount with U = update (postnorm's plan
+    leaves them unread)."""
+    out: dict[SchemeSpec, tuple[SpecTerms, object]] = {}
+    for spec, _ in wanted:
+        if spec in out:
+            continue
+        joined = spec.scope == "update" and any(
+            other == spec and strategy is Strategy.PRECOUNT for other, strategy in wanted
+        )
+        join = functools.partial(update_channels, axis_name=axis_name) if joined else None
+        out[spec] = rank_spec_terms(spec, rank_batch, axis_name, join)
+    return out
+
+
 def rank_plan(
     spec: SchemeSpec,
     rank_batch: Batch,
@@ -197,13 +218,15 @@ def rank_plan(
     strategy: Strategy = Strategy.PRECOUNT,
     collective: Collective = Collective.PSUM,
     scale_override: float | None = None,
+    terms: tuple[SpecTerms, object] | None = None,
 ) -> RankPlan:
     """The labels-only part of one rank's update; call inside `axis_name`'s mapping.
 
     precount with U = update runs the count pre-pass and D's channels in one psum (the one
     collective before the backward); `scale_override` replaces s (precount only) to
     reproduce a mis-scaled step: s = 1 with pmean is the missing-world-size bug, s = R with
-    psum a doubled world size."""
+    psum a doubled world size. `terms`: the spec's `rank_spec_terms` already computed for
+    this rank (`spec_terms_once`), with the denominator channels where precount needs them."""
     if strategy is Strategy.POSTNORM and (
         collective is not Collective.PSUM or scale_override is not None
     ):
@@ -223,7 +246,9 @@ def rank_plan(
         if precount and spec.scope == "update"
         else None
     )
-    (a, parts), reduced = rank_spec_terms(spec, rank_batch, axis_name, join)
+    if terms is None:
+        terms = rank_spec_terms(spec, rank_batch, axis_name, join)
+    (a, parts), reduced = terms
     # Built from the data: under shard_map they vary across ranks, as the scan's inputs must.
     ones = jnp.ones_like(a, shape=(M,), dtype=dtype)
     if spec.scope == "update":

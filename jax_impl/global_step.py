@@ -106,9 +106,29 @@ def global_plan(
     a, scale, D_units = jax.tree.map(
         lambda x: x.reshape(R, *x.shape[len(axes) :]), per_process(batch)
     )  # [R, M, ...]
+    return _for_strategy(GlobalPlan(a, scale, D_units), spec, strategy)
+
+
+def _for_strategy(plan: GlobalPlan, spec: SchemeSpec, strategy: Strategy) -> GlobalPlan:
+    """The plan as `strategy` uses it: postnorm with U = update scales by 1 (D divides after)."""
     if strategy is Strategy.POSTNORM and spec.scope == "update":
-        scale = jnp.ones_like(scale)
-    return GlobalPlan(a, scale, D_units)
+        return plan._replace(scale=jnp.ones_like(plan.scale))
+    return plan
+
+
+def global_plans(
+    batch: Batch, wanted: Sequence[tuple[SchemeSpec, Strategy]], axis_name: AxisName
+) -> list[GlobalPlan]:
+    """`global_plan` of every (spec, strategy) of a sweep, each spec's traced once: its a_t, D
+    and scales come from the labels alone, and a strategy changes only whether the scale is
+    applied (`_for_strategy`)."""
+    by_spec: dict[SchemeSpec, GlobalPlan] = {}
+    plans = []
+    for spec, strategy in wanted:
+        if spec not in by_spec:
+            by_spec[spec] = global_plan(batch, spec, Strategy.PRECOUNT, axis_name)
+        plans.append(_for_strategy(by_spec[spec], spec, strategy))
+    return plans
 
 
 @functools.partial(jax.jit, static_argnames=("one_scale", "token_losses_fn"))
@@ -213,9 +233,9 @@ def global_sweep(
         families.setdefault(key, []).append(i)
 
     for (token_losses_fn, one_scale), members in families.items():
-        plans = [
-            global_plan(batch, configs[i].scheme, configs[i].strategy, axis_name) for i in members
-        ]
+        plans = global_plans(
+            batch, [(configs[i].scheme, configs[i].strategy) for i in members], axis_name
+        )
         ranks_batch = processes_as_ranks(batch, axis_name)
         accumulate = functools.partial(
             global_accumulate, one_scale=one_scale, token_losses_fn=token_losses_fn

@@ -37,6 +37,7 @@ from jax_impl.accumulate import (
     finish_rank,
     microbatch_finiteness,
     rank_plan,
+    spec_terms_once,
 )
 from jax_impl.batch import Batch
 from jax_impl.losses import TokenLossesFn
@@ -125,6 +126,9 @@ def sweep_rank_gradients(
             families.setdefault(config.token_losses_fn, []).append(i)
 
     for token_losses_fn, members in families.items():
+        terms = spec_terms_once(
+            [(configs[i].scheme, configs[i].strategy) for i in members], rank_batch, axis_name
+        )
         plans = [
             rank_plan(
                 configs[i].scheme,
@@ -133,6 +137,7 @@ def sweep_rank_gradients(
                 configs[i].strategy,
                 configs[i].collective,
                 configs[i].reduce_factor,
+                terms=terms[configs[i].scheme],
             )
             for i in members
         ]
