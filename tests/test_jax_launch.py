@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from jax_matrix import RUNNER_XLA_FLAGS, smallest_multiprocess_spec
 
@@ -58,3 +59,27 @@ def test_a_crashed_jax_distributed_process_does_not_hang_its_peer(tmp_path: Path
     assert "failing on purpose" in str(error.value)
     assert error.value.failed == {1: 3}
     assert time.monotonic() - start < 60
+
+
+def test_processes_of_two_devices_give_the_ranks_of_one_device_processes(tmp_path: Path) -> None:
+    """R = 4 as two processes of two devices (how `crosscheck run` launches it,
+    `crosscheck.run.jax_runner.devices_per_process`) returns rank by rank what four processes
+    of one device return, bit for bit: process i holds ranks 2i and 2i + 1, in order."""
+    spec = smallest_multiprocess_spec(tmp_path, num_updates=2)
+    spec["cases"] = [{**spec["cases"][0], "accum_steps": 2}]
+    four = launch_multiprocess(
+        spec, 4, tmp_path / "four", timeout_s=120, extra_xla_flags=RUNNER_XLA_FLAGS
+    )
+    paired = launch_multiprocess(
+        spec,
+        2,
+        tmp_path / "paired",
+        timeout_s=120,
+        extra_xla_flags=RUNNER_XLA_FLAGS,
+        devices_per_process=2,
+    )
+    assert len(four) == len(paired) == 4
+    for rank, (one, two) in enumerate(zip(four, paired, strict=True)):
+        assert one.keys() == two.keys(), rank
+        for key in one:
+            np.testing.assert_array_equal(one[key], two[key], err_msg=f"rank {rank} {key}")

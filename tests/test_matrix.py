@@ -92,7 +92,7 @@ def test_combinations_not_run_are_counted_and_listed_with_their_reasons(run_outp
         "FSDP2 has no comm hook, so postnorm does not run there: torch-fsdp2 runs precount",
         "the torch mean-loss loop is rank_mean only at M = 1 (at M > 1 microbatch_mean)",
         "jax-jit is a global view: there is no per-rank mean to take by accident",
-        "jax-multiprocess launches 2 and 4 processes, not 1",
+        "jax-multiprocess runs world sizes 2 and 4, not 1",
     } <= reasons
     assert f"{len(skipped)} planned combinations not run, for {len(reasons)} reasons" in (
         completed.stdout

@@ -1,6 +1,7 @@
 """Multi-process data parallelism with ``jax.distributed`` on CPU (gloo collectives).
 
-Each process owns one CPU device and one rank; the "data" mesh spans all processes and the
+Each process owns one CPU device and one rank (or `devices_per_process` of them, consecutive
+ranks); the "data" mesh spans all processes and the
 shard_map step runs unchanged (`jax_impl.shard_map_step`), each process supplying its own
 rank's rows. `launch_multiprocess` starts real worker processes (``python -m
 jax_impl.harness.multiprocess_worker``, which joins the job and runs the step) through
@@ -73,16 +74,20 @@ def variant_name(strategy: str, collective: str) -> str:
     return f"{strategy}-{collective}"
 
 
-def worker_env(base: Mapping[str, str] | None = None, extra_xla_flags: str = "") -> dict[str, str]:
-    """The environment of a worker: one CPU device, jax_impl importable, one BLAS thread.
+def worker_env(
+    base: Mapping[str, str] | None = None, extra_xla_flags: str = "", devices_per_process: int = 1
+) -> dict[str, str]:
+    """The environment of a worker: `devices_per_process` CPU devices (one rank each),
+    jax_impl importable, one BLAS thread.
 
     A forced host device count inherited from the parent (a test session's 8) is replaced by
-    1: each process is one rank. `extra_xla_flags` are appended.
+    `devices_per_process`. `extra_xla_flags` are appended.
     """
     env = dict(os.environ if base is None else base)
     flags = f"{env.get('XLA_FLAGS', '')} {extra_xla_flags}"
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
-    env["XLA_FLAGS"] = " ".join([*flags.split(), "--xla_force_host_platform_device_count=1"])
+    count = f"--xla_force_host_platform_device_count={devices_per_process}"
+    env["XLA_FLAGS"] = " ".join([*flags.split(), count])
     env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("OMP_NUM_THREADS", "1")
     root = str(Path(__file__).resolve().parents[2])
@@ -110,8 +115,11 @@ def launch_multiprocess(
     timeout_s: float,
     extra_xla_flags: str = "",
     zygote: Zygote | None = None,
+    devices_per_process: int = 1,
 ) -> list[dict[str, np.ndarray]]:
-    """Run `spec` on `num_processes` real processes; return each rank's results, in order.
+    """Run `spec` on `num_processes` real processes of `devices_per_process` CPU devices each
+    (R = their product: process i holds ranks i d .. i d + d - 1); return each rank's results,
+    in rank order.
 
     Raises `jax_impl.harness.launch.LaunchError` when a worker fails (a worker killed by a signal is
     named with the signal, the others are stopped within a second) or `timeout_s` passes; the
@@ -124,14 +132,17 @@ def launch_multiprocess(
     retried on a new port, up to `PORT_ATTEMPTS` attempts; each attempt's logs are in
     ``work_dir/attempt<k>``.
     """
-    if num_processes < 1:
-        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError(
+            f"num_processes and devices_per_process must be >= 1, got {num_processes} and "
+            f"{devices_per_process}"
+        )
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     spec_path = work_dir / "spec.json"
     spec_path.write_text(json.dumps(spec))
     deadline = time.monotonic() + timeout_s
-    env = worker_env(extra_xla_flags=extra_xla_flags)
+    env = worker_env(extra_xla_flags=extra_xla_flags, devices_per_process=devices_per_process)
     for attempt in range(1, PORT_ATTEMPTS + 1):
         log_dir = work_dir / f"attempt{attempt}"
         with reserve_port() as reservation:
