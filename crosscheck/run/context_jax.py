@@ -24,6 +24,7 @@ from crosscheck.run.context_parallel import (
     ContextOutput,
     OnContext,
 )
+from crosscheck.run.jax_worker import id_space
 
 WORKER_TIMEOUT_S = 300.0
 
@@ -51,10 +52,7 @@ def run_cases(job: dict) -> dict[ContextCase, ContextOutput | str]:
         by_program.setdefault((case.impl, *case.layout), []).append(case)
     fixtures = {name: builtin_fixture(name) for name in {c.fixture for c in job["cases"]}}
     # One static size for the id ranges of every fixture: one compile serves them all.
-    sizes = {
-        "num_groups": max(int(f.group_ids.max()) + 1 for f in fixtures.values()),
-        "num_documents": max(int(f.document_ids.max()) + 1 for f in fixtures.values()),
-    }
+    sizes = id_space(list(fixtures))
     for (impl, R, M, C, order), group in sorted(by_program.items()):
         schemes = sorted({case.scheme for case in group})
         asked = {(case.fixture, case.scheme): case for case in group}

@@ -19,6 +19,7 @@ from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.fixtures.objective_params import objective_params
 from crosscheck.launch.schedule import Job
 from crosscheck.launch.workers import report_jax_job, serve_job
+from crosscheck.run.jax_worker import id_space
 from crosscheck.run.objectives import (
     OBJECTIVES,
     ObjectiveCase,
@@ -39,6 +40,9 @@ def run_cases(job: dict) -> dict[ObjectiveCase, ObjectiveOutput | str]:
 
     results: dict[ObjectiveCase, ObjectiveOutput | str] = {}
     programs: dict[tuple[str, int], object] = {}
+    # One id space for every fixture (static in the program): fixtures of one shape then
+    # share one compiled program per objective and layout, as in the main worker.
+    space = id_space([case.fixture for case in job["cases"]])
     for case in job["cases"]:
         try:
             fixture = builtin_fixture(case.fixture)
@@ -47,7 +51,9 @@ def run_cases(job: dict) -> dict[ObjectiveCase, ObjectiveOutput | str]:
             if key not in programs:
                 programs[key] = make_objective_fn(OBJECTIVES[case.objective], jax_impl.data_mesh(R))
             arrays = {k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS}
-            batch = jax_impl.lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
+            batch = jax_impl.lay_out_global_batch(
+                arrays, R, M, vocab_size=fixture.vocab_size, **space
+            )
             out = programs[key](objective_params(fixture), batch)
             names = [term_name(t) for t in OBJECTIVES[case.objective]]
             results[case] = ObjectiveOutput(
