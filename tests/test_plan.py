@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from crosscheck.run import jax_runner, torch_runner
 from crosscheck.run.implementations import IMPLEMENTATIONS
 from crosscheck.run.matrix import NEVER_REPORTED, run_matrix
 from crosscheck.run.plan import Plan, PlanError
+from crosscheck.run.rows import failed_case, missing_rows
 
 
 def run_cli(*argv: str) -> tuple[int, str]:
@@ -359,6 +361,24 @@ def test_oracle_rows_that_never_come_back_fail(monkeypatch):
     failing = [r for r in run.rows if not r.ok]
     assert len(failing) == 1 and failing[0].detail == NEVER_REPORTED
     assert failing[0].impl == "oracle" and failing[0].check == "clipping"
+
+
+def test_missing_rows_counts_each_key_and_tells_context_layouts_apart():
+    """Every family's bookkeeping: a planned row is answered by one row of its key (what it is
+    about, never what it found), a key planned twice needs two rows, and a context-parallel
+    row's C and order are part of its key."""
+    case = make_case(world_size=2, accum_steps=1)
+    planned = failed_case(case, NEVER_REPORTED)
+    answered = replace(planned, max_rel_err=1e-16, ok=True, detail="", not_run=False)
+    assert missing_rows([planned], [answered]) == []
+    assert missing_rows([planned, planned], [answered]) == [planned]
+    assert missing_rows([planned], []) == [planned]
+    split = replace(planned, extra={"context_size": 2, "context_order": "zigzag"})
+    other = replace(planned, extra={"context_size": 2, "context_order": "contiguous"})
+    assert missing_rows([split], [other]) == [split]
+    # What a row found (its error, verdict, detail, other extras) does not name it.
+    found = replace(split, extra={**split.extra, "grad_rel_err": 0.0})
+    assert missing_rows([split], [replace(found, ok=True)]) == []
 
 
 def test_an_oracle_that_raises_fails_every_oracle_row_with_the_error(monkeypatch):

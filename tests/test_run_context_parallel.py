@@ -20,6 +20,7 @@ from crosscheck.cli.parser import build_parser
 from crosscheck.run import context_jax, context_torch
 from crosscheck.run import context_parallel as cp
 from crosscheck.run.plan import Plan
+from crosscheck.run.rows import missing_rows
 
 #: The family's plumbing on two of its layouts (both orders, C = 2 and 4, DP and accumulation
 #: beside) and one fixture: every scheme on every front-end at every layout is
@@ -54,7 +55,7 @@ def test_every_implementation_matches_the_oracle_at_context_layouts() -> None:
     assert len(rows) == len(planned) == len(cp.IMPLS) * len(cp.context_schemes()) * 2
     seen = {(r.impl, r.world_size, r.accum_steps, r.extra["context_size"]) for r in rows}
     assert seen == {(impl, R, M, C) for impl in cp.IMPLS for R, M, C, _ in SUBSET_LAYOUTS}
-    assert not cp.missing_rows(planned, rows, with_oracle=False)
+    assert not missing_rows(cp.planned_rows(planned, with_oracle=False, detail="lost"), rows)
     # The default run plans every implementation, fixture, scheme and layout of the family.
     assert len(cp.context_cases(Plan().impls)) == 4 * 2 * len(cp.context_schemes()) * 4
 
@@ -85,7 +86,7 @@ def test_a_wrong_gradient_a_wrong_count_and_an_error_fail_their_rows() -> None:
 def test_a_case_that_never_came_back_is_a_failing_row() -> None:
     planned = cp.context_cases(["jax-jit"])[:3]
     rows = [cp.compare_context(c, RuntimeError("x")) for c in planned[1:]]
-    missing = cp.missing_rows(planned, rows, with_oracle=False)
+    missing = missing_rows(cp.planned_rows(planned, with_oracle=False, detail="lost"), rows)
     assert len(missing) == 1 and missing[0].scheme == planned[0].scheme and missing[0].not_run
 
 

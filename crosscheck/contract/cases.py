@@ -177,6 +177,17 @@ class CaseResult:
     #: exits 3, not 1, when every failing row is one of these (crosscheck.exit_codes).
     not_run: bool = False
 
+    @property
+    def key(self) -> tuple:
+        """What the row is about, not what it found: its check and case coordinates, and a
+        context-parallel layout's C and order (``extra``). Each planned item of a run has one
+        row of its key (`crosscheck.run.rows.missing_rows` counts them)."""
+        return (
+            self.check, self.impl, self.fixture, self.scheme, self.strategy, self.world_size,
+            self.accum_steps, self.dtype, self.extra.get("context_size", 1),
+            self.extra.get("context_order", "contiguous"),
+        )  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
         for key in ("max_rel_err", "deviation", "weight_ratio"):

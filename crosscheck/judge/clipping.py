@@ -32,6 +32,11 @@ def microbatch_gradients(fixture: Fixture, scheme: str, R: int, M: int) -> list[
     ]
 
 
+def clip_strategy(max_norm: float) -> str:
+    """The row's strategy column: where it clips, and at what threshold."""
+    return f"per-microbatch c={max_norm:g}"
+
+
 def clip_placement(fixture: Fixture, scheme: str, R: int, M: int, max_norm: float) -> CaseResult:
     """One row: does clipping per microbatch differ from clipping after, and when?"""
     parts = microbatch_gradients(fixture, scheme, R, M)
@@ -54,7 +59,7 @@ def clip_placement(fixture: Fixture, scheme: str, R: int, M: int, max_norm: floa
         fixture=fixture.name,
         scheme=scheme,
         impl="oracle",
-        strategy=f"per-microbatch c={max_norm:g}",
+        strategy=clip_strategy(max_norm),
         world_size=R,
         accum_steps=M,
         dtype="float64",

@@ -16,6 +16,7 @@ every planned case, resume case and oracle row that never came back becomes a fa
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -26,12 +27,11 @@ from crosscheck.contract.cases import (
     CaseOutput,
     CaseResult,
     RankMetrics,
-    ResumeCase,
     SkippedCase,
     TrainSettings,
 )
 from crosscheck.fixtures.builtin import builtin_fixture
-from crosscheck.judge.clipping import clip_placement
+from crosscheck.judge.clipping import clip_placement, clip_strategy
 from crosscheck.judge.invariance import layout_invariance
 from crosscheck.launch.schedule import Job, JobTiming, run_jobs
 from crosscheck.run import (
@@ -44,12 +44,12 @@ from crosscheck.run import (
 from crosscheck.run.implementations import framework_of, runner_for
 from crosscheck.run.objectives import (
     OBJECTIVE_FIXTURES,
-    OBJECTIVE_LAYOUTS,
     OBJECTIVES,
     ObjectiveCase,
     ObjectiveOutput,
     compare_objective,
     objective_cases,
+    planned_term_layout_rows,
     term_layout_rows,
     term_log_records,
 )
@@ -59,6 +59,7 @@ from crosscheck.run.rows import (
     compare_with_oracle,
     cross_implementation,
     failed_case,
+    missing_rows,
     world_size_change,
 )
 
@@ -201,29 +202,38 @@ def run_matrix(
     if on_progress is not None:
         on_progress(0, len(cases), None)
     timings = run_jobs(jobs)
-    # Bookkeeping: whatever was planned and did not come back fails by name.
-    rows.extend(failed_case(case, NEVER_REPORTED) for case in cases if not reported[case])
+    # Bookkeeping, one way for every family: each planned item's row as it reads when the
+    # item never reported; those no runner answered stand in the rows by name.
+    rows += missing_rows((failed_case(case, NEVER_REPORTED) for case in cases), rows)
     oracle_detail = (
         f"{NEVER_REPORTED} ({type(oracle_errors[0]).__name__}: {oracle_errors[0]})"
         if oracle_errors
         else NEVER_REPORTED
     )
-    oracle_rows += _missing_oracle_rows(plan, build.oracle_layouts, oracle_rows, oracle_detail)
+    expected_oracle = _planned_oracle_rows(plan, build.oracle_layouts, oracle_detail)
     if objectives and "oracle" in plan.impls:
-        oracle_rows += _missing_term_layout_rows(oracle_rows, oracle_detail)
-    resume_rows += _missing_resume_rows(build.resume_cases, resume_rows)
+        expected_oracle += planned_term_layout_rows(
+            list(OBJECTIVES), OBJECTIVE_FIXTURES, oracle_detail
+        )
+    oracle_rows += missing_rows(expected_oracle, oracle_rows)
+    resume_rows += missing_rows(
+        (
+            resume_row(case, max_rel_err=math.inf, ok=False, detail=NEVER_REPORTED, not_run=True)
+            for case in build.resume_cases
+        ),
+        resume_rows,
+    )
     rows[:0] = oracle_rows
-    reported_objectives = {
-        (r.impl, r.scheme, r.fixture, r.world_size, r.accum_steps) for r in objective_rows
-    }
-    objective_rows += [
-        compare_objective(case, RuntimeError(NEVER_REPORTED))
-        for case in planned_objectives
-        if tuple(case) not in reported_objectives
-    ]
+    objective_rows += missing_rows(
+        (compare_objective(case, RuntimeError(NEVER_REPORTED)) for case in planned_objectives),
+        objective_rows,
+    )
     rows.extend(objective_rows)
-    context_rows += context_parallel.missing_rows(
-        planned_context, context_rows, with_oracle="oracle" in plan.impls
+    context_rows += missing_rows(
+        context_parallel.planned_rows(
+            planned_context, with_oracle="oracle" in plan.impls, detail=NEVER_REPORTED
+        ),
+        context_rows,
     )
     rows.extend(context_rows)
     rows.extend(resume_rows)
@@ -265,101 +275,41 @@ def _oracle_rows(plan: Plan, layouts: dict[str, list[tuple[int, int]]]) -> list[
     return rows
 
 
-def _oracle_key(check: str, fixture: str, scheme: str, R: int, M: int) -> tuple:
-    return (check, fixture, scheme, R, M)
-
-
-def _missing_oracle_rows(
-    plan: Plan,
-    layouts: dict[str, list[tuple[int, int]]],
-    rows: list[CaseResult],
-    detail: str,
+def _planned_oracle_rows(
+    plan: Plan, layouts: dict[str, list[tuple[int, int]]], detail: str
 ) -> list[CaseResult]:
-    """A failing row for each oracle row that `_oracle_rows` should have produced and did not.
+    """The rows `_oracle_rows` is to produce, as they read when it produced none: a
+    layout-invariance row per scheme at every layout, a clipping row per threshold at every
+    layout of more than one microbatch."""
 
-    Counted by (check, fixture, scheme, R, M): a clipping row per threshold at every layout
-    of more than one microbatch, a layout-invariance row per scheme at every layout."""
-    expected: Counter[tuple] = Counter()
+    def row(check: str, fixture: str, scheme: str, strategy: str, R: int, M: int) -> CaseResult:
+        return CaseResult(
+            check=check,
+            fixture=fixture,
+            scheme=scheme,
+            impl="oracle",
+            strategy=strategy,
+            world_size=R,
+            accum_steps=M,
+            dtype="float64",
+            max_rel_err=math.inf,
+            ok=False,
+            reference="oracle",
+            detail=detail,
+            not_run=True,
+        )
+
+    rows = []
     schemes = plan.schemes_by_fixture()
     for fixture, fixture_layouts in layouts.items():
         for R, M in fixture_layouts:
-            for scheme in schemes[fixture]:
-                expected[_oracle_key("layout-invariance", fixture, scheme, R, M)] += 1
+            rows += [
+                row("layout-invariance", fixture, scheme, "closed-form", R, M)
+                for scheme in schemes[fixture]
+            ]
             if R * M > 1:
-                expected[_oracle_key("clipping", fixture, "token_mean", R, M)] += len(
-                    CLIP_THRESHOLDS
-                )
-    got = Counter(
-        _oracle_key(r.check, r.fixture, r.scheme, r.world_size, r.accum_steps) for r in rows
-    )
-    missing = []
-    for (check, fixture, scheme, R, M), count in sorted((expected - got).items()):
-        missing += [
-            CaseResult(
-                check=check,
-                fixture=fixture,
-                scheme=scheme,
-                impl="oracle",
-                strategy="closed-form" if check == "layout-invariance" else "per-microbatch",
-                world_size=R,
-                accum_steps=M,
-                dtype="float64",
-                max_rel_err=float("inf"),
-                ok=False,
-                reference="oracle",
-                detail=detail,
-                not_run=True,
-            )
-        ] * count
-    return missing
-
-
-def _missing_term_layout_rows(rows: list[CaseResult], detail: str) -> list[CaseResult]:
-    """One failing row for every objective whose term-layout rows did not all come back."""
-    expected = {
-        objective: len(OBJECTIVE_FIXTURES) * len(terms) * len(OBJECTIVE_LAYOUTS)
-        for objective, terms in OBJECTIVES.items()
-    }
-    got = Counter(r.scheme.partition("/")[0] for r in rows if r.check == "term-layout")
-    return [
-        CaseResult(
-            check="term-layout",
-            fixture=", ".join(OBJECTIVE_FIXTURES),
-            scheme=objective,
-            impl="oracle",
-            strategy="closed-form",
-            world_size=0,
-            accum_steps=0,
-            dtype="float64",
-            max_rel_err=float("inf"),
-            ok=False,
-            reference="oracle",
-            detail=f"{count - got[objective]} of {count} rows missing: {detail}",
-            not_run=True,
-        )
-        for objective, count in expected.items()
-        if got[objective] != count
-    ]
-
-
-ROW_KEY = ("check", "impl", "fixture", "scheme", "strategy", "world_size", "accum_steps", "dtype")
-
-
-def _row_key(row: CaseResult) -> tuple:
-    return tuple(getattr(row, name) for name in ROW_KEY)
-
-
-def _missing_resume_rows(cases: list[ResumeCase], rows: list[CaseResult]) -> list[CaseResult]:
-    """A failing row for each resume case that no row came back for."""
-    got = Counter(_row_key(row) for row in rows)
-    missing = []
-    for case in cases:
-        # The row the case would have had, failing: its key identifies the case.
-        row = resume_row(
-            case, max_rel_err=float("inf"), ok=False, detail=NEVER_REPORTED, not_run=True
-        )
-        if got[_row_key(row)]:
-            got[_row_key(row)] -= 1
-        else:
-            missing.append(row)
-    return missing
+                rows += [
+                    row("clipping", fixture, "token_mean", clip_strategy(c), R, M)
+                    for c in CLIP_THRESHOLDS
+                ]
+    return rows

@@ -127,39 +127,61 @@ def _layout_local(term: Mapping[str, Any]) -> bool:
     return not get_spec(term.get("scheme", {})).layout_invariant
 
 
-def term_layout_rows(objectives: Sequence[str], fixtures: Sequence[str]) -> list[CaseResult]:
-    """Every term's gradient at every layout against (1, 1), from the oracle."""
-    rows = []
+def _term_layout_row(
+    objective: str, fixture: str, term: dict, R: int, M: int, **judgement
+) -> CaseResult:
+    """A term's row at layout (R, M) against (1, 1), with what it found (`judgement`)."""
+    local = _layout_local(term)
+    return CaseResult(
+        check="term-layout",
+        fixture=fixture,
+        scheme=f"{objective}/{term_name(term)}",
+        impl="oracle",
+        strategy="closed-form",
+        world_size=R,
+        accum_steps=M,
+        dtype="float64",
+        reference="oracle R=1,M=1",
+        extra={"expected": "layout-dependent" if local else "invariant"},
+        **judgement,
+    )
+
+
+def _term_layouts(objectives: Sequence[str], fixtures: Sequence[str]):
+    """Every (objective, fixture, term, R, M) the term-layout rows cover."""
     for objective in objectives:
         for fixture in fixtures:
             for term in OBJECTIVES[objective]:
-                local = _layout_local(term)
-                reference = _term_grads(objective, fixture, term, 1, 1)
                 for R, M in OBJECTIVE_LAYOUTS:
-                    moved = tree_rel_err(
-                        _term_grads(objective, fixture, term, R, M), reference
-                    ).max_rel_err
-                    # A local term is expected to move; the row shows by how much (a layout
-                    # that happens to leave it unchanged is no failure). An update-scope one
-                    # must not move beyond float64 rounding.
-                    ok = local or moved <= FLOAT64_RTOL
-                    rows.append(
-                        CaseResult(
-                            check="term-layout",
-                            fixture=fixture,
-                            scheme=f"{objective}/{term_name(term)}",
-                            impl="oracle",
-                            strategy="closed-form",
-                            world_size=R,
-                            accum_steps=M,
-                            dtype="float64",
-                            max_rel_err=moved,
-                            ok=ok,
-                            reference="oracle R=1,M=1",
-                            extra={"expected": "layout-dependent" if local else "invariant"},
-                        )
-                    )
+                    yield objective, fixture, term, R, M
+
+
+def term_layout_rows(objectives: Sequence[str], fixtures: Sequence[str]) -> list[CaseResult]:
+    """Every term's gradient at every layout against (1, 1), from the oracle."""
+    rows = []
+    references: dict[tuple[str, str, str], dict] = {}
+    for objective, fixture, term, R, M in _term_layouts(objectives, fixtures):
+        which = (objective, fixture, term_name(term))
+        if which not in references:
+            references[which] = _term_grads(objective, fixture, term, 1, 1)
+        reference = references[which]
+        moved = tree_rel_err(_term_grads(objective, fixture, term, R, M), reference).max_rel_err
+        # A local term is expected to move; the row shows by how much (a layout that happens
+        # to leave it unchanged is no failure). An update-scope one must not move beyond
+        # float64 rounding.
+        ok = _layout_local(term) or moved <= FLOAT64_RTOL
+        rows.append(_term_layout_row(objective, fixture, term, R, M, max_rel_err=moved, ok=ok))
     return rows
+
+
+def planned_term_layout_rows(
+    objectives: Sequence[str], fixtures: Sequence[str], detail: str
+) -> list[CaseResult]:
+    """The rows `term_layout_rows` is to produce, as they read when it produced none."""
+    return [
+        _term_layout_row(*where, max_rel_err=math.inf, ok=False, detail=detail, not_run=True)
+        for where in _term_layouts(objectives, fixtures)
+    ]
 
 
 def objective_cases(impls: Sequence[str]) -> list[ObjectiveCase]:

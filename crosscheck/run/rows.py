@@ -12,6 +12,7 @@ layout (world-size change).
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable
 from functools import cache
 
@@ -178,6 +179,21 @@ def failed_case(case: Case, error: BaseException | str, not_run: bool = True) ->
         detail=f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error,
         not_run=not_run,
     )
+
+
+def missing_rows(expected: Iterable[CaseResult], rows: Iterable[CaseResult]) -> list[CaseResult]:
+    """The rows of `expected` that no row of `rows` answers, matched by `CaseResult.key` and
+    counted (a key planned twice needs two rows). Every row family plans the same way: each
+    planned item's row as it reads when the item never reported (failing, ``not_run``, the
+    detail saying so), and those no runner answered stand in the run's rows by name."""
+    got = Counter(row.key for row in rows)
+    missing = []
+    for row in expected:
+        if got[row.key]:
+            got[row.key] -= 1
+        else:
+            missing.append(row)
+    return missing
 
 
 @cache
