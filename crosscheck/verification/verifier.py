@@ -88,8 +88,8 @@ SPEC_FIXTURES: tuple[str, ...] = (*DEFAULT_FIXTURES, "rollouts", "continued-docu
 #: an extra factor R and an extra factor M differ).
 DEFAULT_LAYOUTS: tuple[tuple[int, int], ...] = ((2, 1), (1, 2), (2, 2), (4, 1), (2, 4))
 #: A context-parallel step's layouts (R, M, C, order) instead: C 2 and 4, R and M 1 and 2,
-#: both orders, at most R C = 4 processes (a count missing the context ranks differs from one
-#: with them only where C > 1, a count over the data ranks only only where R > 1 too). C = 4
+#: both orders, at most R C = 4 processes (a count that misses the context ranks differs from
+#: one that holds them only where C > 1: C = 1 runs no split and shows none of them). C = 4
 #: is contiguous: zigzag's 8 chunks of ragged's 24 positions cut its 144 rows into 213
 #: (row, segment, context rank) groups, some so nearly spanned by the others that the fit's
 #: standard error on one reached 0.9 and the sensitivity line promised only 1 + 8.6e-02
