@@ -248,3 +248,45 @@ def test_a_gradient_with_a_nan_fits_nothing():
     grads["router"][0, 0] = np.nan
     d = diagnose_objective(params, batch, MAIN, grads)
     assert not d.intended_fits and d.best_match == "unknown"
+
+
+#: A small aux term beside a large main one (examples/objectives.py's MOE): its units' columns
+#: are 1e-4 of the cross-entropy's, so the rounding of the large term moves their recovered
+#: weights by up to 1e-11, far past what the residual's noise level accounts for.
+SMALL_AUX = [
+    {"kind": "ce"},
+    {"kind": "z_loss", "coefficient": 1e-2},
+    {"kind": "moe_lb", "coefficient": 0.01, "top_k": 2, "scope": "update"},
+]
+
+
+@pytest.mark.parametrize("fixture", ["packed", "rollouts"])
+def test_a_small_aux_terms_rounding_is_not_an_alarm(fixture):
+    """The oracle's own gradient, and the same with float64-level noise, are the intended
+    objective at every default verify layout (packed at R = 2, M = 4 was called unknown: its
+    moe_lb units came back 1e-11 off with standard errors of 1e-12); and a skew of a moe_lb
+    unit far below the aux term's own size is still found."""
+    from crosscheck.fixtures.objective_params import objective_params
+
+    rng = np.random.default_rng(7)
+    # The params these terms read, as `crosscheck verify --objective` hands them over.
+    every = objective_params(builtin_fixture(fixture))
+    params = {k: every[k] for k in ("embed", "unembed", "router")}
+    for R, M in ((2, 1), (1, 2), (2, 2), (4, 1), (2, 4)):
+        batch = builtin_fixture(fixture).layout(R, M)
+        grads = grads_of(params, batch, SMALL_AUX)
+        for gradient in (
+            grads,
+            {k: g * (1 + 1e-15 * rng.standard_normal(g.shape)) for k, g in grads.items()},
+        ):
+            d = diagnose_objective(params, batch, SMALL_AUX, gradient)
+            assert d.best_match == "intended", (fixture, R, M, d.explanation, d.unit_excess)
+    # 1e-6 of one microbatch's own balancing loss added (not in the span of a global-batch
+    # moe_lb's unit columns): no longer the intended objective, the allowance of 1e-10 or so
+    # for rounding notwithstanding.
+    params_batch = builtin_fixture(fixture).layout(2, 4)
+    grads = grads_of(params, params_batch, SMALL_AUX)
+    extra = unit_contribution(params, params_batch, SMALL_AUX[2], 0, 0)
+    skewed = {k: g + 1e-6 * extra.get(k, 0) for k, g in grads.items()}
+    d = diagnose_objective(params, params_batch, SMALL_AUX, skewed)
+    assert not d.intended_fits, d.explanation
