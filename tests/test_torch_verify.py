@@ -21,6 +21,7 @@ from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
 from crosscheck.verification import torch_verify
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
+from torch_impl.harness.user_step import RAISED, STOPPED, stopped_after
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
@@ -98,6 +99,24 @@ def test_a_step_raising_on_one_rank_fails_its_job_only() -> None:
     assert "(rank 0 was stopped while still in the step, after rank 1 failed;" in message
     for job in (jobs[0], jobs[2]):
         assert rel_err(results[job], job, "token_mean") <= FLOAT64_RTOL, job.describe()
+    assert elapsed < BOUND_S
+
+
+def test_every_stopped_rank_names_the_rank_that_raised() -> None:
+    """Four ranks, rank 1 raising while the others wait in the all-reduce: each rank its
+    watcher stops says it was stopped after rank 1 failed. Which peer a watcher reads first is
+    a race (rank 0's own stop may already be on disk when rank 2 looks): the rule that picks
+    the cause over a stopped peer is held on its own first."""
+    assert stopped_after([(0, STOPPED), (1, RAISED), (3, STOPPED)]) == "rank 1 failed"
+    assert stopped_after([(0, STOPPED), (3, "")]) == "rank 3 failed"  # marker being written
+    assert stopped_after([(0, STOPPED)]) == "rank 0 was stopped"
+    job = VerifyJob(fixture="packed", world_size=4, accum_steps=2)
+    results, elapsed = run_in(TESTS, "verify_steps:raise_on_rank1_when_accumulating", [job])
+    message = step_error(results[job])
+    assert message.startswith("packed R=4 M=2: rank 1: the step raised ValueError"), message
+    stopped = [line for line in message.splitlines() if "was stopped while still" in line]
+    assert {line.split(" was")[0] for line in stopped} == {"(rank 0", "(rank 2", "(rank 3"}
+    assert all(line.endswith("after rank 1 failed; it was at:") for line in stopped), stopped
     assert elapsed < BOUND_S
 
 

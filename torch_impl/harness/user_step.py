@@ -591,6 +591,14 @@ def main_thread_frames() -> str:
     return "\n".join(lines) if lines else "  (no frame of the user's code on the stack)"
 
 
+def stopped_after(failed: list[tuple[int, str]]) -> str:
+    """Whose failure a watcher names when it stops its rank, from the failed peers' (rank,
+    error kind): the first peer whose own error it was. A peer its watcher stopped only passed
+    the failure on, and a third rank's watcher may read that peer's marker first."""
+    causes = [rank for rank, kind in failed if kind != STOPPED]
+    return f"rank {causes[0]} failed" if causes else f"rank {failed[0][0]} was stopped"
+
+
 class PeerWatcher:
     """Ends this rank when a peer failed the job this rank is still running (see module doc).
 
@@ -634,8 +642,17 @@ class PeerWatcher:
             with open(failed_path(self.status_dir, index, self.rank), "w") as f:
                 f.write(outcome.kind)
 
-    def _failed_peers(self, index: int) -> list[int]:
-        return [r for r in self.peers if os.path.exists(failed_path(self.status_dir, index, r))]
+    def _failed_peers(self, index: int) -> list[tuple[int, str]]:
+        """(rank, error kind) of every peer whose outcome of job `index` is an error; the kind
+        is "" while its marker is being written."""
+        failed = []
+        for rank in self.peers:
+            try:
+                with open(failed_path(self.status_dir, index, rank)) as f:
+                    failed.append((rank, f.read()))
+            except FileNotFoundError:
+                continue
+        return failed
 
     def _watch(self) -> None:
         first_seen: tuple[int, float] | None = None  # (job, when a peer's failure was seen)
@@ -654,7 +671,7 @@ class PeerWatcher:
                 if self.index != index:  # this rank's own outcome landed meanwhile
                     continue
                 error = (
-                    f"was stopped while still in the step, after rank {failed[0]} failed; "
+                    f"was stopped while still in the step, after {stopped_after(failed)}; "
                     f"it was at:\n{main_thread_frames()}"
                 )
                 self._write(index, self.stopped(error))
