@@ -78,14 +78,17 @@ def lay_out_context_parallel(
     ...), which checks the batch and lays it out over (R, M) first."""
     batch = lay_out_global_batch(arrays, world_size, accum_steps, **kwargs)
     positions = context_positions(np.shape(batch.targets)[-1], context_size, order)
+    return jax.tree.map(lambda x: split_over_context(x, positions), batch)
 
-    def split(x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x)
-        if x.ndim == 4:  # a token field [R, M, B, T] -> [R, C, M, B, T/C]
-            return np.stack([x[..., p] for p in positions], axis=1)
-        return np.repeat(x[:, None], context_size, axis=1)  # a row field, on every rank
 
-    return jax.tree.map(split, batch)
+def split_over_context(x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """One laid-out field split over the C context ranks holding `positions` [C, T/C]: a token
+    field [R, M, B, T] becomes [R, C, M, B, T/C] (rank c's positions at [:, c]), a row field
+    [R, M, B] is on every context rank, [R, C, M, B]."""
+    x = np.asarray(x)
+    if x.ndim == 4:
+        return np.stack([x[..., p] for p in positions], axis=1)
+    return np.repeat(x[:, None], len(positions), axis=1)
 
 
 def context_mesh(

@@ -28,7 +28,7 @@ IGNORE_INDEX = -100
 CONTEXT_ORDERS: tuple[str, ...] = ("contiguous", "zigzag")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)
 class Layout:
     """R ranks (data-parallel world size) times M accumulation microbatches per update, and C
     context-parallel ranks splitting every row's positions in `context_order`."""

@@ -223,15 +223,18 @@ def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Jo
         )
         for (impl, world_size, dtype), group in sorted(in_process.items())
     ]
-    work += [
-        Job(
-            name=f"jax-multiprocess R={world_size} {dtype}",
-            processes=world_size // devices_per_process(world_size),
-            cost=world_size // devices_per_process(world_size) * (1.0 + 0.5 * _programs(group)),
-            run=functools.partial(_run_multiprocess, group, settings, on_done, world_size, dtype),
+    for (world_size, dtype), group in sorted(multiprocess.items()):
+        processes = world_size // devices_per_process(world_size)
+        work.append(
+            Job(
+                name=f"jax-multiprocess R={world_size} {dtype}",
+                processes=processes,
+                cost=processes * (1.0 + 0.5 * _programs(group)),
+                run=functools.partial(
+                    _run_multiprocess, group, settings, on_done, world_size, dtype
+                ),
+            )
         )
-        for (world_size, dtype), group in sorted(multiprocess.items())
-    ]
     return work
 
 

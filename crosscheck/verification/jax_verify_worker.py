@@ -154,18 +154,13 @@ def _context_mesh(world_size: int, context_size: int) -> Any:
 def _split_context(batch: dict[str, np.ndarray], job: VerifyJob) -> tuple[dict, ContextAxis]:
     """The [R, M, B, T] batch as a context-parallel step gets it: every token field [R, C, M, B,
     T/C] (context rank c's positions at [:, c]), every row field [R, C, M, B]; and its
-    `ContextAxis`. The positions are JAX's own reading of the layout
-    (``jax_impl.context_parallel.context_positions``)."""
-    from jax_impl.context_parallel import context_positions
+    `ContextAxis`. The positions and the split are JAX's own reading of the layout
+    (``jax_impl.context_parallel``), as its context-parallel step lays a batch out."""
+    from jax_impl.context_parallel import context_positions, split_over_context
 
     C = job.context_size
     positions = context_positions(batch["targets"].shape[-1], C, job.context_order)
-    split = {
-        key: np.stack([value[..., p] for p in positions], axis=1)
-        if value.ndim == 4
-        else np.repeat(value[:, None], C, axis=1)
-        for key, value in batch.items()
-    }
+    split = {key: split_over_context(value, positions) for key, value in batch.items()}
     return split, ContextAxis(size=C, order=job.context_order, positions=positions)
 
 

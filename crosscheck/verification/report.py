@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from crosscheck.contract.layout import Layout
 from crosscheck.contract.spec import SchemeSpec
 from crosscheck.diagnosis.diagnose import Diagnosis
 from crosscheck.diagnosis.explain import fix_text, guide
@@ -152,7 +151,7 @@ class VerifyReport:
     def shown(self) -> str:
         """What the run showed, in one sentence."""
         fixtures = sorted({case.job.fixture for case in self.cases})
-        layouts = sorted({case.job.layout for case in self.cases}, key=_layout_order)
+        layouts = sorted({case.job.layout for case in self.cases})
         split = any(layout.context_size > 1 for layout in layouts)
         text = ", ".join(
             f"({layout.world_size}, {layout.accum_steps}"
@@ -325,7 +324,3 @@ def _separation_hint(names: Sequence[str]) -> str:
     if {"double-accum-divide", "missing-world-size"} & set(names):
         return "A layout with R != M (both above 1) tells them apart."
     return "A fixture or layout where they predict different weights tells them apart."
-
-
-def _layout_order(layout: Layout) -> tuple[int, int, int, str]:
-    return (layout.world_size, layout.accum_steps, layout.context_size, layout.context_order)
