@@ -72,7 +72,7 @@ def x64_worker_results(script: str, out_dir: Path, timeout: float) -> Any:
     """What `script`, run as ``python SCRIPT --out FILE`` on 8 host devices with the small-
     program XLA flags, pickled to FILE: the JAX side of a test that needs x64 (global to a
     process) or the devices (fixed at JAX's import)."""
-    from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+    from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS
 
     out = out_dir / "results.pkl"
     flags = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"

@@ -45,8 +45,9 @@ from crosscheck import (
 )
 from crosscheck.contract.optimizers import UpdateRecord
 from crosscheck.judge.compare import leaf_rel_err
+from crosscheck.launch.worker_processes import run_workers
+from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS
 from crosscheck.run.jax_worker import placed_sweep
-from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS, run_workers
 
 RTOL = {
     "float32": FLOAT32_RTOL,
@@ -320,8 +321,8 @@ def run_front_ends(
 
     One process runs all front-ends of its dtype, so pmap and shard_map share the traces of
     their common per-rank pieces and the start-up cost is paid once. Returns {dtype: records};
-    a runner that fails or outlives `timeout_s` raises jax_impl.harness.launch.LaunchError after
-    every runner has been stopped.
+    a runner that fails or outlives `timeout_s` raises
+    crosscheck.launch.worker_processes.LaunchError after every runner has been stopped.
     """
     commands = [
         [sys.executable, __file__, "--front-ends", ",".join(front_ends), "--dtype", dtype,

@@ -4,12 +4,12 @@ Every process the tests start inherits one environment variable, `SESSION_MARKER
 tests/conftest.py before anything starts (ranks, workers, fork servers, zygotes, and whatever a
 user's step starts, even when reparented to init). At the end of the session:
 
-1. the long-lived servers a launcher keeps for the life of its caller (torch's fork server,
-   multiprocessing's resource tracker, the JAX zygote) are expected; any *other* marked
+1. the long-lived servers a launch keeps for the life of its caller (the zygotes of torch ranks
+   and of JAX workers) are expected; any *other* marked
    process is a leak: a rank, a worker or a child of a step that outlived the call that
    started it;
-2. then the launchers stop their servers (`crosscheck.launch.processes.terminate_all`), and nothing
-   marked may remain after a short grace.
+2. then `crosscheck.launch.processes.terminate_all` stops the servers, and nothing marked may
+   remain after a short grace.
 
 Either finding fails the session, listing every process with its command line.
 """
@@ -26,11 +26,7 @@ from pathlib import Path
 #: The variable every process of the session inherits.
 SESSION_MARKER = "GRADWEIGHT_TEST_SESSION"
 #: Servers that live as long as the process that started them, by a part of their command line.
-SERVERS = (
-    "multiprocessing.forkserver",
-    "multiprocessing.resource_tracker",
-    "jax_impl.harness.zygote",
-)
+SERVERS = ("crosscheck.launch.zygote_server",)
 #: After `terminate_all`, how long the servers and their children may take to exit: it sends
 #: SIGTERM, waits 2 s, then SIGKILL.
 GRACE_S = 5.0

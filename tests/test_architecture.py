@@ -11,6 +11,7 @@ bug). Only runtime imports count: an import under ``if TYPE_CHECKING:`` runs now
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,16 @@ ENTRY_POINTS = ("__init__", "__main__", "pytest_plugin")
 #: configuration and its float64 initial weights, read from one file by numpy), so that the
 #: torch and JAX transformers start from the same numbers.
 SHARED_DATA_MODULE = "crosscheck.fixtures.transformer_weights"
+#: The process layer: starting worker processes, their zygote, the one registry of process
+#: groups and its terminator. Process management, not math: written once, and what the torch
+#: and JAX harnesses (never their reference modules) start their processes through. The
+#: standard library only, so that a worker or a zygote pays nothing for it.
+PROCESS_LAYER = (
+    "crosscheck.launch.processes",
+    "crosscheck.launch.worker_processes",
+    "crosscheck.launch.zygote",
+    "crosscheck.launch.zygote_server",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -140,10 +151,30 @@ def test_the_reference_imports_neither_its_harness_nor_crosscheck(package):
         relative = path.relative_to(ROOT)
         in_harness = relative.parts[1] == "harness"
         for line, module in _runtime_imports(path):
-            if module.split(".")[0] == "crosscheck" and module != SHARED_DATA_MODULE:
+            allowed = {SHARED_DATA_MODULE, *(PROCESS_LAYER if in_harness else ())}
+            if module.split(".")[0] == "crosscheck" and module not in allowed:
                 bad.append(f"{relative}:{line} imports {module}")
             if module.startswith(f"{package}.harness") and not in_harness:
                 if relative.name == "__init__.py" and package == "torch_impl":
                     continue  # re-exports `launch` and its errors, documented in the docstring
                 bad.append(f"{relative}:{line} imports {module}")
     assert bad == []
+
+
+def test_the_process_layer_needs_the_standard_library_only():
+    """Every worker process and zygote imports it: nothing but the standard library and the
+    layer itself (``crosscheck`` and ``crosscheck.launch`` are packages that import nothing)."""
+    bad = []
+    for module in PROCESS_LAYER:
+        path = ROOT / Path(*module.split(".")).with_suffix(".py")
+        for line, imported in _runtime_imports(path, type_only_too=True):
+            top = imported.split(".")[0]
+            if top == "crosscheck":
+                if imported not in PROCESS_LAYER:
+                    bad.append(f"{module}:{line} imports {imported}")
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                bad.append(f"{module}:{line} imports {imported}")
+    assert bad == []
+    for package in ("crosscheck/__init__.py", "crosscheck/launch/__init__.py"):
+        imported = {m.split(".")[0] for _, m in _runtime_imports(ROOT / package)}
+        assert imported <= set(sys.stdlib_module_names) | {"__future__"}, (package, imported)

@@ -19,9 +19,9 @@ def burn(rank: int, world_size: int, seconds: float) -> float:
     return time.process_time()
 
 
-def test_cpu_seconds_counts_the_ranks_a_fork_server_forked_and_stops_nothing():
+def test_cpu_seconds_counts_the_ranks_a_zygote_forked_and_stops_nothing():
     # In a fresh process, so that its counters start with it. The ranks burn CPU and report
-    # their own process time; the fork server, not this process, reaps them, so this
+    # their own process time; the ranks' zygote, not this process, reaps them, so this
     # process's RUSAGE_CHILDREN never sees them while the server lives: cpu_seconds reads
     # the server's own counters instead, and leaves it running for the next launch.
     script = textwrap.dedent(
@@ -29,19 +29,18 @@ def test_cpu_seconds_counts_the_ranks_a_fork_server_forked_and_stops_nothing():
         import resource
         from crosscheck.launch.cpu_time import cpu_seconds
         import os
-        from torch_impl.harness.rank_start import SERVER
-        from torch_impl.harness.launcher import launch, start_method
+        from torch_impl.harness.launcher import launch, rank_zygote, start_method
         from test_cpu_time import burn
 
         def reaped():
             usage = resource.getrusage(resource.RUSAGE_CHILDREN)
             return usage.ru_utime + usage.ru_stime
 
-        assert start_method() == "forkserver", start_method()
+        assert start_method() == "zygote", start_method()
         before, reaped_before = cpu_seconds(), reaped()
         ranks = launch(burn, 2, (0.3,), timeout_s=120)
         total = cpu_seconds() - before
-        os.kill(SERVER._forkserver_pid, 0)  # raises unless the fork server still runs
+        os.kill(rank_zygote().pid, 0)  # raises unless the zygote still runs
         print(sum(ranks), reaped() - reaped_before, total)
         """
     )

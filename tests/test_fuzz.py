@@ -43,7 +43,7 @@ from crosscheck.contract.fixture import NPZ_KEYS, Fixture
 from crosscheck.contract.layout import IGNORE_INDEX
 from crosscheck.contract.oracle import loss_and_grad
 from crosscheck.fixtures.builtin import random_fixture
-from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Examples run through torch and JAX (each framework runs every one of them).

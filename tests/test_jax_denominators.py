@@ -255,7 +255,7 @@ def test_bf16_accidental_local_means_divide_by_exact_counts() -> None:
 
 def test_bf16_multiprocess_keeps_exact_denominators(tmp_path: Path) -> None:
     """jax.distributed with two real processes, bfloat16 params: the same D as in-process."""
-    from jax_impl.harness.launch import SMALL_PROGRAM_XLA_FLAGS
+    from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS
     from jax_impl.harness.multiprocess import launch_multiprocess
 
     cases = [("ragged", "token_mean", 2), ("dedup-packed", "weighted_mean", 2)]

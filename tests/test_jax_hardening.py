@@ -46,14 +46,15 @@ from crosscheck.contract.cases import Case, CaseOutput, TrainSettings
 from crosscheck.contract.oracle import loss_and_grad
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.judge.compare import FLOAT64_RTOL, tree_rel_err
+from crosscheck.launch import processes, worker_processes
+from crosscheck.launch import workers as launch_workers
+from crosscheck.launch.worker_processes import LaunchError, WorkerResult, run_workers
+from crosscheck.launch.zygote import NO_FORK_SERVERS_ENV, Zygote, ZygoteError, unavailable
 from crosscheck.run import jax_runner
 from crosscheck.verification import jax_verify
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
-from jax_impl.harness import launch
 from jax_impl.harness import multiprocess as jax_multiprocess
-from jax_impl.harness.launch import LaunchError, WorkerResult, run_workers
 from jax_impl.harness.multiprocess import launch_multiprocess
-from jax_impl.harness.zygote import NO_FORK_SERVERS_ENV, Zygote, ZygoteError, unavailable
 
 # ---- helpers --------------------------------------------------------------------------------
 
@@ -117,14 +118,14 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
     fixture): not counted here; a test that stops one checks that itself.
     """
     leaders: list = []
-    register = launch.register_group
+    register = worker_processes.register_group
 
     def record(leader, *, server: bool = False) -> None:
         if not server:
             leaders.append(leader)
         register(leader, server=server)
 
-    monkeypatch.setattr(launch, "register_group", record)
+    monkeypatch.setattr(worker_processes, "register_group", record)
     yield leaders
     left = _live({leader.pid for leader in leaders})
     assert not left, f"processes the test started outlived it: {left}"
@@ -132,8 +133,8 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list]:
 
 @pytest.fixture(scope="module")
 def light_zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Zygote]]:
-    """A zygote that preloads nothing but what ``python -m jax_impl.harness.zygote_server`` imports;
-    started again when a test stopped it (terminate_all)."""
+    """A zygote that preloads nothing but what ``python -m crosscheck.launch.zygote_server``
+    imports; started again when a test stopped it (terminate_all)."""
     made: list[Zygote] = []
 
     def get() -> Zygote:
@@ -186,7 +187,7 @@ def test_every_exit_path_kills_the_worker_with_what_it_started(
             run()
         worker, _ = _pids(pid_file)
         assert str(error.value).startswith(
-            f"worker(s) [0] failed: worker 0 (pid {worker}) exited with 3; the others were "
+            f"worker(s) [0] failed: worker 0 (pid {worker}) exited with code 3; the others were "
             "stopped\n"
         )
         assert error.value.failed == {0: 3} and not error.value.timed_out
@@ -236,14 +237,14 @@ def test_terminate_all_stops_every_group_workers_first(
         _wait_for(tmp_path / f"{name}.pids", 30, f"the {name} worker never started its child")
     grace_s = 1.0
     start = time.monotonic()
-    signalled = launch.terminate_all(grace_s=grace_s)
+    signalled = processes.terminate_all(grace_s=grace_s)
     elapsed = time.monotonic() - start
     for thread in threads:
         thread.join(30)
     # The two workers' groups and the light zygote (and the harness's zygote, if running).
     assert signalled >= 3
     # SIGTERM was ignored, so the SIGKILL came after the grace, and the wait is bounded.
-    assert grace_s <= elapsed < grace_s + launch.TERMINATE_KILL_WAIT_S + 1.0
+    assert grace_s <= elapsed < grace_s + processes.TERMINATE_KILL_WAIT_S + 1.0
     assert not zygote.alive
     for name in ("plain", "forked"):
         worker, child = _pids(tmp_path / f"{name}.pids")
@@ -254,7 +255,7 @@ def test_terminate_all_stops_every_group_workers_first(
         ), errors[name]
         assert not _live({worker, child})
     assert not _marked(marker)
-    assert launch.terminate_all(grace_s=grace_s) == 0  # idempotent: nothing left to stop
+    assert processes.terminate_all(grace_s=grace_s) == 0  # idempotent: nothing left to stop
 
 
 # ---- verify --timeout -----------------------------------------------------------------------
@@ -311,18 +312,18 @@ SWITCH_CASE = make_case(impl="jax-pmap", dtype="float32")
 def _run_harness_case(monkeypatch: pytest.MonkeyPatch) -> tuple[CaseOutput, list[WorkerResult]]:
     """SWITCH_CASE through the harness's JAX runner; its output and how its worker started."""
     workers: list[WorkerResult] = []
-    real = launch.run_workers
+    real = launch_workers.run_workers
 
     def spy(*args, **kwargs) -> list[WorkerResult]:
         results = real(*args, **kwargs)
         workers.extend(results)
         return results
 
-    monkeypatch.setattr(launch, "run_workers", spy)
+    monkeypatch.setattr(launch_workers, "run_workers", spy)
     outputs: dict[Case, CaseOutput | BaseException] = {}
     [job] = jax_runner.jobs([SWITCH_CASE], TrainSettings(num_updates=1), outputs.__setitem__)
     job.run()
-    monkeypatch.setattr(launch, "run_workers", real)
+    monkeypatch.setattr(launch_workers, "run_workers", real)
     output = outputs[SWITCH_CASE]
     assert isinstance(output, CaseOutput), output
     return output, workers
@@ -393,7 +394,7 @@ def _spy_ports(monkeypatch: pytest.MonkeyPatch, first: Callable | None = None) -
     ports: list[int] = []
     real = jax_multiprocess.reserve_port
 
-    def reserve() -> launch.PortReservation:
+    def reserve() -> worker_processes.PortReservation:
         reservation = first() if first is not None and not ports else real()
         ports.append(reservation.port)
         return reservation

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax_matrix import RUNNER_XLA_FLAGS, smallest_multiprocess_spec
 
-from jax_impl.harness.launch import LaunchError, run_workers
+from crosscheck.launch.worker_processes import LaunchError, run_workers
 from jax_impl.harness.multiprocess import launch_multiprocess
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -31,7 +31,8 @@ def test_a_crashed_worker_stops_the_others_at_once(tmp_path: Path) -> None:
     crash = [sys.executable, "-c", "import sys, time; time.sleep(0.3); sys.exit('boom')"]
     start = time.monotonic()
     with pytest.raises(
-        LaunchError, match=r"^worker\(s\) \[1\] failed: worker 1 \(pid \d+\) exited with 1; the"
+        LaunchError,
+        match=r"^worker\(s\) \[1\] failed: worker 1 \(pid \d+\) exited with code 1; the",
     ) as error:
         run_workers([SLEEPER, crash], timeout_s=120, log_dir=tmp_path)
     assert time.monotonic() - start < 15  # not the sleeper's 120 s
@@ -55,7 +56,7 @@ def test_a_crashed_jax_distributed_process_does_not_hang_its_peer(tmp_path: Path
         launch_multiprocess(
             spec, 2, tmp_path / "run", timeout_s=120, extra_xla_flags=RUNNER_XLA_FLAGS
         )
-    assert "worker 1 (pid " in str(error.value) and ") exited with 3" in str(error.value)
+    assert "worker 1 (pid " in str(error.value) and ") exited with code 3" in str(error.value)
     assert "failing on purpose" in str(error.value)
     assert error.value.failed == {1: 3}
     assert time.monotonic() - start < 60

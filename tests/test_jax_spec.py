@@ -27,8 +27,8 @@ from crosscheck import builtin_fixture
 from crosscheck.contract.oracle import weighted_grad
 from crosscheck.contract.spec import get_spec
 from crosscheck.contract.spec_catalogue import known_spec_names
+from crosscheck.launch.worker_processes import run_workers
 from jax_impl.batch import default_document_ids, lay_out_global_batch
-from jax_impl.harness.launch import run_workers
 from jax_impl.harness.multiprocess import launch_multiprocess
 from jax_impl.spec import SchemeSpec, named_spec, parse_spec
 

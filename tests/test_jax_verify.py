@@ -102,7 +102,7 @@ MISBEHAVIOUR = {
     _job("packed", 2, 1): ["['embed'] has shape (12, 40), expected (40, 12)"],
     _job("packed", 1, 2): ["gradient has keys ['embedding', 'unembed']", "missing ['embed']"],
     _job("packed", 2, 2): ["replica 1 differs from replica 0", "not synchronized"],
-    _job("ragged", 1, 2): ["worker died while running this job", "exited with 3"],
+    _job("ragged", 1, 2): ["worker died while running this job", "exited with code 3"],
 }
 GOOD = _job("ragged", 2, 1)
 

@@ -1,10 +1,10 @@
 """The JAX zygote: workers forked from one process that imported JAX, launched like any other.
 
-The harness forks every JAX worker from `jax_impl.harness.zygote` instead of starting a fresh Python
-(`crosscheck.run.jax_runner.worker_zygote`). A forked worker must behave like
+The harness forks every JAX worker from `crosscheck.launch.zygote` instead of starting a fresh
+Python (`crosscheck.run.jax_runner.worker_zygote`). A forked worker must behave like
 ``python -m MODULE`` in everything a worker relies on: its own XLA_FLAGS (the fake device count
 is read after the fork), argv, environment, working directory and output files, its exit
-status, and a bounded wait (the differences are listed in `jax_impl.harness.zygote`).
+status, and a bounded wait (the differences are listed in `crosscheck.launch.zygote`).
 """
 
 import json
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from child_env import zygote_env
 
-from jax_impl.harness.launch import LaunchError, run_workers
-from jax_impl.harness.zygote import Zygote, ZygoteError
+from crosscheck.launch.worker_processes import LaunchError, run_workers
+from crosscheck.launch.zygote import Zygote, ZygoteError
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_a_failing_worker_is_reported_with_its_status_and_stderr(zygote, tmp_pat
         )
     message = str(error.value)
     assert "worker(s) [1] failed" in message
-    assert "exited with 7" in message and "probe exiting with 7" in message
+    assert "exited with code 7" in message and "probe exiting with 7" in message
     # The sleeping peer was killed, not left behind.
     assert "still running (killed)" in message
 
@@ -107,3 +107,27 @@ def test_the_harness_forks_its_jax_workers():
 
     zygote = worker_zygote()
     assert zygote is not None and zygote.alive
+
+
+def test_terminate_all_stops_a_child_of_a_zygote_that_no_launch_registered(tmp_path):
+    """A worker forked while its launch was being interrupted, before the launch learned its
+    pid, is in no registry: `terminate_all` finds it as a child of a registered zygote and
+    stops it before the zygote itself, so that nothing is left once the zygote is gone."""
+    from crosscheck.launch import processes
+
+    forker = Zygote([], zygote_env(), tmp_path / "log")
+    orphan = forker.spawn(
+        "zygote_probe",
+        ["0", "600"],
+        env=zygote_env(),
+        cwd=tmp_path,
+        stdout=tmp_path / "out",
+        stderr=tmp_path / "err",
+    )
+    assert orphan.pid not in processes.registered_groups() and orphan.poll() is None
+    signalled = processes.terminate_all(grace_s=1.0)
+    assert signalled >= 2  # the orphan's group and this zygote (another zygote may run too)
+    assert not forker.alive
+    assert not Path(f"/proc/{orphan.pid}").exists() or Path(
+        f"/proc/{orphan.pid}/stat"
+    ).read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")

@@ -39,7 +39,7 @@ from crosscheck.launch.external import (
     jax_multihost,
     torch_launch,
 )
-from jax_impl.harness.launch import reserve_port
+from crosscheck.launch.worker_processes import reserve_port
 from jax_impl.harness.multiprocess import worker_env
 
 #: Each launch's bound: five start together on two shared cores; alone, a torchrun launch
@@ -125,7 +125,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Finishe
             "jax-run-4": (JAX_RUN, 2),
         }
         for name, (options, devices) in jax_jobs.items():
-            # Held until the coordinator takes it over (jax_impl.harness.launch.PortReservation).
+            # Held until the coordinator takes it over
+            # (crosscheck.launch.worker_processes.PortReservation).
             reservation = reserve_port()
             reservations.append(reservation)
             started[name] = []

@@ -1,7 +1,7 @@
 """The torch side never outlives its call and never half-writes (issue 13).
 
 Each test starts real processes and, besides the outcome and its message, checks that none of
-them survives: by the pids the ranks write down, by the fork server's children, or by a
+them survives: by the pids the ranks write down, by the rank zygote's children, or by a
 unique marker in the command line of what a step starts (``sleep 600.<marker>``).
 
 * a step that hangs: `torch_verify.run(timeout_s=10)` returns within 10 s + GRACE_S, reports
@@ -13,12 +13,12 @@ unique marker in the command line of what a step starts (``sleep 600.<marker>``)
 * a checkpoint save SIGKILLed halfway through a rank file: the previous checkpoint is the
   latest, loads, and resuming from it gives the uninterrupted run's params bit for bit;
 * a launch that returns, or is interrupted (KeyboardInterrupt), leaves nothing running;
-* `terminate_all` from another thread: every rank, what the ranks started, the fork server
-  and the resource tracker are gone, and a later launch starts afresh;
-* no fork server where the switch ``GRADWEIGHT_NO_FORK_SERVERS=1`` is set or the platform lacks
-  the forkserver start method: spawned ranks (children of the caller, not of the fork server)
-  give the same results and messages, and `terminate_all` stops them and their children too.
-  (Last: the next torch test pays one fork server start.)
+* `crosscheck.launch.processes.terminate_all` from another thread: every rank, what the ranks
+  started and the ranks' zygote are gone, and a later launch starts afresh;
+* no zygote where the switch ``GRADWEIGHT_NO_FORK_SERVERS=1`` is set or the platform lacks what
+  the zygote uses: fresh ranks (children of the caller, not of the zygote) give the same
+  results and messages, and `terminate_all` stops them and their children too. (Last: the
+  next torch test pays one zygote start.)
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import _thread
 import contextlib
 import io
-import multiprocessing
 import os
 import secrets
 import signal
@@ -43,11 +42,12 @@ from torch.nn.functional import cross_entropy
 from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck import builtin_fixture
+from crosscheck.launch import processes, zygote
 from crosscheck.verification import torch_verify
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 from torch_impl import checkpoint
 from torch_impl.batch import BATCH_KEYS, rank_microbatches
-from torch_impl.harness import launcher, rank_processes
+from torch_impl.harness import launcher
 from torch_impl.harness.cases import UpdateCase, run_cases
 from torch_impl.harness.launcher import LaunchStoppedError, RankFailedError, launch
 from torch_impl.model import BilinearLM
@@ -95,8 +95,8 @@ def marked(marker: str) -> list[str]:
 
 
 def fork_server_children() -> list[int]:
-    """Live children of the launcher's fork server: ranks that were not stopped."""
-    server = rank_processes._SERVER._forkserver_pid
+    """Live children of the ranks' zygote: ranks that were not stopped."""
+    server = launcher.rank_zygote().pid
     children = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and server is not None:
@@ -135,7 +135,7 @@ def _one(rank: int, world_size: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_fork_server() -> None:
-    """Start the fork server first, so that the timings below measure the launches only."""
+    """Start the ranks' zygote first, so that the timings below measure the launches only."""
     assert launch(_one, 2) == [(0, 2), (1, 2)]
 
 
@@ -417,43 +417,43 @@ def _start_hanging_launch(tmp_path: Path) -> _HangingLaunch:
     return _HangingLaunch(duration, thread, errors, ranks)
 
 
-def _servers() -> list[int]:
-    """The fork server's and the resource tracker's pids, of those that run. The tracker is
-    stopped only if a launch started it (one may predate them all)."""
-    return [p for p in (rank_processes._SERVER._forkserver_pid, rank_processes._tracker_pid) if p]
+def _servers(hanging: _HangingLaunch) -> list[int]:
+    """The registered groups that are not the launch's ranks: the zygotes this process runs
+    (the ranks' one, where it runs, and a JAX one an earlier test file left)."""
+    return [pid for pid in processes.registered_groups() if pid not in hanging.ranks]
 
 
 def _assert_terminate_all_stops(hanging: _HangingLaunch, servers: list[int]) -> None:
     """`terminate_all` from this thread ends the launch, what its ranks started and `servers`
     within 5 s; the launch raises LaunchStoppedError; a second call finds nothing to stop."""
     start = time.monotonic()
-    signalled = launcher.terminate_all()
+    signalled = processes.terminate_all()
     elapsed = time.monotonic() - start
     hanging.thread.join(timeout=10)
     assert not hanging.thread.is_alive()
-    # Two ranks and their four sleeps (SIGTERM ends them at once), the fork server, the tracker.
-    assert signalled == 6 + len(servers)
+    # Two ranks' groups, each with its two sleeps (SIGTERM ends them at once), and the zygote.
+    assert signalled == 2 + len(servers)
     assert elapsed < 5.0, f"took {elapsed:.1f} s"
     errors = hanging.errors
     assert len(errors) == 1 and isinstance(errors[0], LaunchStoppedError), errors
     assert str(errors[0]) == "the launch was stopped by terminate_all()"
     assert alive(hanging.ranks + servers) == []
     assert marked(hanging.duration) == []
-    assert launcher.terminate_all() == 0  # idempotent
+    assert processes.terminate_all() == 0  # idempotent
 
 
 def test_terminate_all_stops_launches_their_children_and_the_servers(tmp_path) -> None:
     hanging = _start_hanging_launch(tmp_path)
-    servers = _servers()
+    servers = _servers(hanging)
     assert len(marked(hanging.duration)) == 4
-    assert rank_processes._SERVER._forkserver_pid in servers
+    assert launcher.rank_zygote().pid in servers
     _assert_terminate_all_stops(hanging, servers)
-    # The next launch starts a fork server (and tracker) of its own.
+    # The next launch starts a zygote of its own.
     assert launch(_one, 2) == [(0, 2), (1, 2)]
 
 
-# --- Spawned ranks where no fork server may run ------------------------------------------------
-# (After the terminate_all test: the fallback's terminate_all stops the fork server too.)
+# --- Fresh ranks where no zygote may run ---------------------------------------------------------
+# (After the terminate_all test: the fallback's terminate_all stops the zygote too.)
 
 
 def _parent(pid: int) -> int:
@@ -472,31 +472,29 @@ def _raise_on_rank_1(rank: int, world_size: int) -> int:
     return rank
 
 
-def test_the_switch_starts_spawned_ranks_with_the_same_results(monkeypatch) -> None:
+def test_the_switch_starts_fresh_ranks_with_the_same_results(monkeypatch) -> None:
     cases = [_case("switch")]
-    monkeypatch.delenv(rank_processes.NO_FORK_SERVERS_ENV, raising=False)
-    assert launcher.start_method() == "forkserver"  # Linux, CPython 3.11: the fork server
+    monkeypatch.delenv(zygote.NO_FORK_SERVERS_ENV, raising=False)
+    assert launcher.start_method() == "zygote"  # Linux, CPython 3.11: the zygote
     forked = launch(_cases_and_origin, 2, (cases,), timeout_s=120)
-    server = rank_processes._SERVER._forkserver_pid
+    server = launcher.rank_zygote().pid
     assert [origin[1] for origin, _ in forked] == [server, server]
 
-    for value in ("", "0"):  # as for the JAX zygote: these leave the fork server on
-        assert rank_processes.unavailable({rank_processes.NO_FORK_SERVERS_ENV: value}) == ""
-    monkeypatch.setenv(rank_processes.NO_FORK_SERVERS_ENV, "1")
-    assert rank_processes.unavailable() == (
-        "fork servers are turned off (GRADWEIGHT_NO_FORK_SERVERS=1)"
-    )
-    assert launcher.start_method() == "spawn"
+    for value in ("", "0"):  # these leave the zygotes on
+        assert zygote.unavailable({zygote.NO_FORK_SERVERS_ENV: value}) == ""
+    monkeypatch.setenv(zygote.NO_FORK_SERVERS_ENV, "1")
+    assert zygote.unavailable() == "fork servers are turned off (GRADWEIGHT_NO_FORK_SERVERS=1)"
+    assert launcher.start_method() == "fresh"
     start = time.monotonic()
-    spawned = launch(_cases_and_origin, 2, (cases,), timeout_s=120)
+    fresh = launch(_cases_and_origin, 2, (cases,), timeout_s=120)
     elapsed = time.monotonic() - start
-    # Children of this process, not of the fork server, each leading its own process group.
-    assert [origin[1:] for origin, _ in spawned] == [(os.getpid(), True)] * 2
-    for (_, forked_outputs), (_, spawned_outputs) in zip(forked, spawned, strict=True):
-        for mine, theirs in zip(forked_outputs[0].updates, spawned_outputs[0].updates, strict=True):
+    # Children of this process, not of the zygote, each leading its own process group.
+    assert [origin[1:] for origin, _ in fresh] == [(os.getpid(), True)] * 2
+    for (_, forked_outputs), (_, fresh_outputs) in zip(forked, fresh, strict=True):
+        for mine, theirs in zip(forked_outputs[0].updates, fresh_outputs[0].updates, strict=True):
             for key, value in mine.params.items():
                 assert np.array_equal(theirs.params[key], value), key
-    # Each spawned rank imports torch and DDP's dependencies itself (measured: about 3 s here).
+    # Each fresh rank imports torch and DDP's dependencies itself (measured: about 3 s here).
     assert elapsed < 60, f"took {elapsed:.1f} s"
     # The same messages: a rank that raises is named with its error.
     with pytest.raises(RankFailedError) as failure:
@@ -504,26 +502,24 @@ def test_the_switch_starts_spawned_ranks_with_the_same_results(monkeypatch) -> N
     assert failure.value.rank == 1
     assert str(failure.value).startswith("rank 1 failed:\nTraceback (most recent call last):")
     assert "ValueError: rank 1 cannot go on" in str(failure.value)
-    assert alive([origin[0] for origin, _ in forked + spawned]) == []
+    assert alive([origin[0] for origin, _ in forked + fresh]) == []
 
 
-def test_no_forkserver_start_method_means_spawned_ranks_and_terminate_all_stops_them(
+def test_a_platform_without_the_zygote_means_fresh_ranks_and_terminate_all_stops_them(
     monkeypatch, tmp_path
 ) -> None:
-    monkeypatch.delenv(rank_processes.NO_FORK_SERVERS_ENV, raising=False)
+    monkeypatch.delenv(zygote.NO_FORK_SERVERS_ENV, raising=False)
     with monkeypatch.context() as patch:
         patch.delattr(os, "fork")
-        assert rank_processes.unavailable() == "this platform lacks os.fork"
-    # As on a platform whose multiprocessing offers no forkserver: the fallback, not an error.
-    monkeypatch.setattr(multiprocessing, "get_all_start_methods", lambda: ["fork", "spawn"])
-    assert rank_processes.unavailable() == (
-        "this platform lacks multiprocessing's forkserver start method"
-    )
-    assert launcher.start_method() == "spawn"
+        assert zygote.unavailable() == "this platform lacks os.fork"
+    # As on macOS, which has no os.waitid: the fallback, not an error.
+    monkeypatch.delattr(os, "waitid")
+    assert zygote.unavailable() == "this platform lacks os.waitid"
+    assert launcher.start_method() == "fresh"
 
     hanging = _start_hanging_launch(tmp_path)
-    # Spawned, not forked: children of this process.
+    # Fresh, not forked: children of this process.
     assert [_parent(pid) for pid in hanging.ranks] == [os.getpid()] * 2
-    servers = _servers()
+    servers = _servers(hanging)
     assert len(marked(hanging.duration)) == 4
     _assert_terminate_all_stops(hanging, servers)

@@ -8,6 +8,8 @@ last microbatch: the situation in which an unbounded launcher would wait forever
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -25,7 +27,7 @@ from torch_impl.model import BilinearLM
 from torch_impl.optimizers import OptimizerSpec
 from torch_impl.update import accumulate_postnorm
 
-# Starting the fork server (its first import of torch) takes 2-10 s on the 2-core CI machine,
+# Starting the ranks' zygote (its first import of torch) takes 2-10 s on the 2-core CI machine,
 # forking two ranks from it well under a second; everything past that is the launcher's own
 # detection, immediate for a raise and for a silent death alike (the rank's report file is
 # written before it exits, so an exit without one is final), then the stop of the other rank.
@@ -130,3 +132,40 @@ def test_hung_rank_hits_the_launch_deadline() -> None:
 def test_launch_rejects_an_empty_world() -> None:
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         launch(_bad_token_update, 0)
+
+
+#: A script that launches a function it defines itself, with what it prints: the ranks import
+#: the script (as ``__mp_main__``, its ``__main__`` block not run) to find the function, and
+#: what a rank prints reaches the caller's output.
+SCRIPT_LAUNCH = """
+import sys
+from torch_impl.harness.launcher import launch
+
+
+def shout(rank, world_size, word):
+    print(f"rank {rank} says {word}")
+    return f"{word}-{rank}-{__name__}"
+
+
+if __name__ == "__main__":
+    print(launch(shout, 2, ("hi",), timeout_s=120))
+"""
+
+
+def test_a_function_of_the_calling_script_runs_on_every_rank_and_its_output_reaches_the_caller(
+    tmp_path,
+):
+    (tmp_path / "script.py").write_text(SCRIPT_LAUNCH)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "script.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["rank 0 says hi", "rank 1 says hi"], proc.stdout
+    assert lines[2] == "['hi-0-__mp_main__', 'hi-1-__mp_main__']", proc.stdout

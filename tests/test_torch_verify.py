@@ -2,7 +2,7 @@
 step can fail giving a StepError that names the job and the cause, within a bounded time.
 
 Each test is one call of `run` (one launch per world size, and a fresh one after a job that
-failed: forking ranks from the warm fork server costs a fraction of a second). The
+failed: forking ranks from the warm zygote costs a fraction of a second). The
 example steps run from the repository root (``examples.*``); the broken ones from ``tests/``
 (``verify_steps``, ``verify_broken_step``), so the ranks must find them through the caller's
 working directory.

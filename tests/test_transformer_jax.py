@@ -33,8 +33,8 @@ from transformer_reference import intended_weights
 from crosscheck import builtin_fixture
 from crosscheck.fixtures.transformer_weights import TRANSFORMER_CONFIG, initial_weights
 from crosscheck.judge.compare import tree_rel_err
+from crosscheck.launch.worker_processes import run_workers
 from jax_impl import transformer
-from jax_impl.harness.launch import run_workers
 from torch_impl import transformer as torch_transformer
 
 # float64 against float64: the same model and weights, summed in another order (R M

@@ -1,11 +1,11 @@
 """Running the bench: one torch launch, then one JAX worker, one after the other.
 
 Never side by side: they would time each other. torch runs through
-`torch_impl.harness.launcher.launch` (R rank processes in a gloo group, or one GPU each with
-NCCL), JAX as one worker process through `jax_impl.harness.launch.run_workers` with eight host
-devices on the CPU; both bound every wait and leave no process behind, and an interrupt stops
-them (`crosscheck.launch.processes`). torch and JAX are not imported into this process, except
-torch for `--device cuda`'s count of GPUs.
+`torch_impl.harness.launcher.launch` (R rank processes in a gloo group, or one GPU each with NCCL),
+JAX as one worker process through `crosscheck.launch.worker_processes.run_workers` with eight host
+devices on the CPU; both bound every wait and leave no process behind, and an interrupt stops them
+(`crosscheck.launch.processes`). torch and JAX are not imported into this process, except torch for
+`--device cuda`'s count of GPUs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crosscheck.bench.config import BenchConfig
-from crosscheck.launch.workers import jax_launch
+from crosscheck.launch.worker_processes import LaunchError, run_workers
+from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS
 from crosscheck.run.implementations import not_installed
 
 #: Bounds of one framework's run: the whole bench took 1.5 to 2.5 minutes on two heavily
@@ -103,7 +104,7 @@ def jax_env(config: BenchConfig) -> dict[str, str]:
     if config.device == "cpu":
         flags = f"{flags} --xla_force_host_platform_device_count=8"
     if config.quick:
-        flags = f"{flags} {jax_launch().SMALL_PROGRAM_XLA_FLAGS}"
+        flags = f"{flags} {SMALL_PROGRAM_XLA_FLAGS}"
     env["XLA_FLAGS"] = flags.strip()
     platform = config.platform or ("cpu" if config.device == "cpu" else None)
     if platform:
@@ -117,16 +118,13 @@ def jax_env(config: BenchConfig) -> dict[str, str]:
 
 
 def run_jax(config: BenchConfig) -> FrameworkRun:
-    launcher = jax_launch()
     with tempfile.TemporaryDirectory(prefix="gradweight-bench-") as work:
         job_path, out_path = Path(work) / "job.pkl", Path(work) / "out.pkl"
         job_path.write_bytes(pickle.dumps({"config": config}))
         command = [sys.executable, "-m", "crosscheck.bench.jax_bench", str(job_path), str(out_path)]
         try:
-            launcher.run_workers(
-                [command], timeout_s=JAX_TIMEOUT_S, log_dir=work, env=jax_env(config)
-            )
-        except launcher.LaunchError as error:
+            run_workers([command], timeout_s=JAX_TIMEOUT_S, log_dir=work, env=jax_env(config))
+        except LaunchError as error:
             return FrameworkRun(error=str(error))
         return FrameworkRun(output=pickle.loads(out_path.read_bytes()))
 

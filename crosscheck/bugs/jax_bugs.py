@@ -4,10 +4,9 @@ The patterns are those of `crosscheck.diagnosis.patterns`.
 
 x64 and the fake-device count are process-global in JAX, so each dtype's runs go to their own
 worker process (`crosscheck.bugs.jax_bugs_worker`) with eight CPU devices, started and waited
-for by `jax_impl.harness.launch.run_workers` (loaded without JAX by
-`crosscheck.launch.workers.jax_launch`): every wait is bounded, and a worker that crashes or
-hangs fails the runs it carried, not the caller. The workers of different dtypes run side by
-side and independently: one failing does not stop the other.
+for by `crosscheck.launch.worker_processes.run_workers`: every wait is bounded, and a worker
+that crashes or hangs fails the runs it carried, not the caller. The workers of different
+dtypes run side by side and independently: one failing does not stop the other.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from crosscheck.diagnosis.patterns import BugOutput, BugRun
-from crosscheck.launch.workers import jax_launch, run_jax_job
+from crosscheck.launch.workers import run_jax_job
 
 WORKER_MODULE = "crosscheck.bugs.jax_bugs_worker"
 WORKER_TIMEOUT_S = 300.0
@@ -76,7 +75,6 @@ def run(runs: list[BugRun], *, timeout_s: float = WORKER_TIMEOUT_S) -> dict[BugR
             by_dtype.setdefault(bug_run.dtype, []).append(bug_run)
     if not by_dtype:
         return outcomes
-    jax_launch()  # loaded once, before the threads
     with (
         tempfile.TemporaryDirectory(prefix="gradweight-jax-bugs-") as tmp,
         ThreadPoolExecutor(max_workers=len(by_dtype)) as pool,

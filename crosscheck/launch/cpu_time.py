@@ -3,7 +3,7 @@
 Wall time on a shared machine says how busy the other users were; CPU time says what the
 command cost. ``getrusage(RUSAGE_CHILDREN)`` counts a child only once it was reaped, together
 with every descendant that child reaped in turn. The workers of a run are not our children:
-torch ranks are forked (and reaped) by the launcher's fork server, JAX workers by the zygote;
+torch ranks are forked (and reaped) by the ranks' zygote, JAX workers by the JAX one;
 both servers are our children and stay alive, unreaped, until the process exits. So
 `cpu_seconds` adds, for every child still alive or not yet reaped, its own CPU and what it
 reaped (``utime + stime + cutime + cstime`` of ``/proc/PID/stat``). It stops nothing: a later

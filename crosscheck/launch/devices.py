@@ -20,7 +20,7 @@ and oneAPI and fail loudly where their plugins are absent) or ``tpu``. JAX then 
 torch is imported only to resolve ``auto`` or check ``cuda``: a command that runs no torch
 rank never pays for it. ``torch.cuda.is_available()`` and ``device_count()`` do not create a
 CUDA context in this process (they ask the driver for a count), and the ranks are forked from
-a fork server or spawned, never from this process, so checking here cannot poison them.
+a zygote or started fresh, never from this process, so checking here cannot poison them.
 """
 
 from __future__ import annotations

@@ -1,17 +1,32 @@
-"""Stopping every process a command started, and Ctrl-C / SIGTERM as one line, not a traceback.
+"""Every process a command starts, and stopping it: one registry of process groups, one
+terminator, and Ctrl-C / SIGTERM as one line, not a traceback.
 
-The launchers own their processes (`torch_impl.harness.launcher`, `jax_impl.harness.launch`): each
-keeps a registry of the process groups it started and exposes ``terminate_all(grace_s) -> int``
-(SIGTERM to every group, SIGKILL after `grace_s`, reap; returns how many processes it
-signalled). `terminate_all` here calls them, but only for launcher modules this process has
-already imported: a command that never launched anything has nothing to stop, and importing a
-launcher here could import torch or JAX.
+Every worker a launch starts (a JAX worker, a ``jax.distributed`` process, a torch rank; see
+`crosscheck.launch.worker_processes.start_worker`) leads a process group of its own (a new
+session: ``start_new_session=True``, or ``setsid`` in a child forked by a zygote,
+`crosscheck.launch.zygote`), and what a worker starts (a data loader's workers, a user's
+``subprocess``) stays in that group: killing the group kills them all. The group is registered
+here until it is known to be gone, and so is every zygote, as a server:
 
-`handle_signals` is what `crosscheck.cli.commands.main` runs a command in: SIGTERM becomes the same
-KeyboardInterrupt as Ctrl-C (raised in the main thread), and on the way out of an interrupt
+- `stop_groups` stops given groups: a launch stops its own on every way out;
+- `terminate_all` stops every registered group (SIGTERM, then SIGKILL after a grace): workers
+  first, then any other child of a zygote (a worker forked while its launch was being
+  interrupted, before the launch learned its pid), then the zygotes. The CLI calls it on
+  Ctrl-C or SIGTERM (`handle_signals`), and each launch in flight then fails as stopped:
+  `generation` changes.
+
+A killed group is waited for until no live process is left in it (zombies count as gone: on
+Linux the process table is read from /proc; elsewhere ``killpg(pgid, 0)``), for a bounded time;
+a SIGKILL that has not landed by then is left to the OS.
+
+`handle_signals` is what `crosscheck.cli.commands.main` runs a command in: SIGTERM becomes the
+same KeyboardInterrupt as Ctrl-C (raised in the main thread), and on the way out of an interrupt
 every started process is stopped and one line goes to stderr. `exit_bounded` then ends the
-interpreter in bounded time even where a worker thread (`crosscheck.launch.schedule.run_jobs` starts
-non-daemon ones, which the interpreter would wait for at exit) is still winding down.
+interpreter in bounded time even where a worker thread (`crosscheck.launch.schedule.run_jobs`
+starts non-daemon ones, which the interpreter would wait for at exit) is still winding down.
+
+The standard library only: the torch and JAX harnesses, their worker processes and the zygote
+import this module, and none of them may pay for more.
 """
 
 from __future__ import annotations
@@ -22,23 +37,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType, ModuleType
-from typing import NoReturn
+from types import FrameType
+from typing import NoReturn, Protocol
 
-#: The launcher modules, by the names they are imported under. `jax_impl.harness.launch` may also
-#: be loaded from its file alone (`crosscheck.launch.workers.jax_launch`), so modules are
-#: matched by file too (see `_launchers`).
-LAUNCHER_MODULES: tuple[str, ...] = ("torch_impl.harness.launcher", "jax_impl.harness.launch")
-_ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER_FILES: tuple[Path, ...] = (
-    _ROOT / "torch_impl" / "harness" / "launcher.py",
-    _ROOT / "jax_impl" / "harness" / "launch.py",
-)
-#: How long a launcher gives its process groups between SIGTERM and SIGKILL.
+#: How long `terminate_all` gives the process groups between SIGTERM and SIGKILL.
 GRACE_S = 2.0
+#: `terminate_all`: how long to wait for the groups after the SIGKILL that follows the grace.
+TERMINATE_KILL_WAIT_S = 2.0
 #: How long `exit_bounded` waits for worker threads before it ends the process regardless,
 #: and how often it stops processes again meanwhile.
 THREAD_WAIT_S = 1.5
@@ -46,43 +53,246 @@ ROUND_S = 0.25
 #: The grace of `exit_bounded`'s last `terminate_all`: the interrupt's own call gave every
 #: process it knew GRACE_S already; this one is for processes started since.
 FINAL_GRACE_S = 0.25
+#: How often a wait for killed groups looks again.
+_GONE_POLL_S = 0.01
 
 
-def _launchers() -> list[ModuleType]:
-    """Every launcher module this process has imported, each once."""
-    found: dict[int, ModuleType] = {}
-    for name in LAUNCHER_MODULES:
-        module = sys.modules.get(name)
-        if module is not None:
-            found[id(module)] = module
-    # A copy of the dict: another thread may import a module while this one iterates.
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if not file or id(module) in found:
+# ---- the registry ----------------------------------------------------------------------------
+
+
+class GroupLeader(Protocol):
+    """What the registry needs of a group leader: `subprocess.Popen`, or a zygote's child
+    (`crosscheck.launch.zygote.ZygoteChild`)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+
+# Re-entrant: terminate_all may run in a signal handler that interrupted this very thread
+# while it held the lock to register a group.
+_registry_lock = threading.RLock()
+#: pgid (= the leader's pid) -> (leader, whether it is a server that forks workers), for every
+#: group that may still hold a live process.
+_registry: dict[int, tuple[GroupLeader, bool]] = {}
+#: Bumped by terminate_all: a launch that sees it change was stopped, not failed.
+_generation = 0
+
+
+def register_group(leader: GroupLeader, *, server: bool = False) -> None:
+    """Remember `leader`'s process group until it is known to be gone (see `terminate_all`).
+
+    A `server` (a zygote) forks workers: `terminate_all` stops it after the workers, so that it
+    can still reap them and report how they ended.
+    """
+    with _registry_lock:
+        _registry[leader.pid] = (leader, server)
+
+
+def forget_group(leader: GroupLeader) -> None:
+    """Stop tracking `leader`'s group (its processes are gone)."""
+    with _registry_lock:
+        entry = _registry.get(leader.pid)
+        if entry is not None and entry[0] is leader:
+            del _registry[leader.pid]
+
+
+def registered_groups() -> list[int]:
+    """The pgids of every group still registered (for tests and diagnostics)."""
+    with _registry_lock:
+        return sorted(_registry)
+
+
+def generation() -> int:
+    """A number `terminate_all` changes: a launch that sees it change was stopped."""
+    return _generation
+
+
+def _process_table() -> dict[int, tuple[bytes, int, int]] | None:
+    """pid -> (state, parent, process group) of every process on the machine, or None where
+    /proc cannot tell."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    table = {}
+    for name in entries:
+        if not name.isdigit():
             continue
-        with contextlib.suppress(OSError, ValueError):
-            if Path(file).resolve() in LAUNCHER_FILES:
-                found[id(module)] = module
-    return list(found.values())
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # exited while we looked
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) > 2:
+            table[int(name)] = (fields[0], int(fields[1]), int(fields[2]))
+    return table
+
+
+def _live_groups() -> set[int] | None:
+    """The pgid of every live process on the machine, or None where /proc cannot tell.
+
+    A zombie counts as gone: its exit status is all that is left of it (here, PID 1 may not
+    reap orphans at all, so a killed worker's children can stay zombies for ever).
+    """
+    table = _process_table()
+    if table is None:
+        return None
+    return {group for state, _, group in table.values() if state not in (b"Z", b"X")}
+
+
+def _alive(leaders: Iterable[GroupLeader]) -> list[GroupLeader]:
+    """The leaders whose group is not gone yet: the leader's exit status is not known (for a
+    worker forked by a zygote, until the zygote has reaped it), or a live process is left in
+    the group (what the leader started)."""
+    leaders = list(leaders)
+    running = {id(leader) for leader in leaders if leader.poll() is None}  # reaps ours
+    table = _live_groups()
+    alive = []
+    for leader in leaders:
+        if id(leader) in running:
+            alive.append(leader)
+        elif table is not None:
+            if leader.pid in table:
+                alive.append(leader)
+        else:
+            try:
+                os.killpg(leader.pid, 0)
+            except ProcessLookupError:
+                continue
+            except PermissionError:
+                pass
+            alive.append(leader)
+    return alive
+
+
+def _signal_group(leader: GroupLeader, signum: int) -> bool:
+    """Send `signum` to `leader`'s group; True when it reached a process."""
+    reached = False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader.pid, signum)
+        reached = True
+    if leader.poll() is None:
+        # Still running and not yet reaped, so the pid is still this leader's: reach it even
+        # if it were not (yet) the leader of its group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(leader.pid, signum)
+            reached = True
+    return reached
+
+
+def _wait_gone(leaders: Sequence[GroupLeader], timeout_s: float) -> list[GroupLeader]:
+    """Wait until no group of `leaders` holds a live process, at most `timeout_s`; returns
+    the leaders of the groups still alive then."""
+    deadline = time.monotonic() + timeout_s
+    alive = _alive(leaders)
+    while alive and time.monotonic() < deadline:
+        time.sleep(_GONE_POLL_S)
+        alive = _alive(alive)
+    return alive
+
+
+def stop_groups(leaders: Iterable[GroupLeader], *, grace_s: float = 0.0, wait_s: float) -> int:
+    """Stop the process groups of `leaders`; returns how many groups it signalled.
+
+    With `grace_s` > 0: SIGTERM, up to `grace_s` for the groups to exit, then SIGKILL to what
+    is left; with 0: SIGKILL at once. Then waits up to `wait_s` for every group to be gone and
+    forgets the ones that are. At most ``grace_s + wait_s`` (plus a /proc scan) in all.
+    Interrupted (KeyboardInterrupt) during the grace, it still sends the SIGKILL first.
+    """
+    leaders = list(leaders)
+    alive = _alive(leaders)
+    first = signal.SIGTERM if grace_s > 0 else signal.SIGKILL
+    signalled = sum(_signal_group(leader, first) for leader in alive)
+    if grace_s > 0 and alive:
+        left = alive
+        try:
+            left = _wait_gone(alive, grace_s)
+        finally:
+            for leader in left:
+                _signal_group(leader, signal.SIGKILL)
+    left = _wait_gone(alive, wait_s) if alive else []
+    for leader in leaders:
+        if leader not in left:
+            forget_group(leader)
+    return signalled
+
+
+@dataclass(frozen=True, slots=True)
+class _Orphan:
+    """A child of a zygote that no launch registered: its pid stands for its group."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        """None while the process runs; not ours to reap, so its exit status is unknown (-1)
+        once it is gone or a zombie (what is left in its group `_alive` reads from /proc)."""
+        table = _process_table()
+        if table is None:
+            return None
+        entry = table.get(self.pid)
+        return None if entry is not None and entry[0] not in (b"Z", b"X") else -1
+
+
+def _unregistered_children(servers: Sequence[GroupLeader], known: set[int]) -> list[_Orphan]:
+    """The live children of `servers` (Linux) that are not in `known`: a worker forked while
+    its launch was being interrupted, before the launch learned its pid."""
+    table = _process_table() or {}
+    pids = {server.pid for server in servers}
+    return [
+        _Orphan(pid)
+        for pid, (state, parent, _) in table.items()
+        if parent in pids and pid not in known and state not in (b"Z", b"X")
+    ]
 
 
 def terminate_all(grace_s: float = GRACE_S) -> int:
-    """Stop every process the launchers of this process started; how many were signalled.
+    """Stop every process group this process registered; returns how many groups it
+    signalled.
 
-    Never raises and never imports torch or JAX: a launcher not imported yet started nothing,
-    and one without ``terminate_all`` (an older copy) is skipped.
+    Each group is a worker, with everything it started, or a zygote. Workers first: SIGTERM to
+    each group, up to `grace_s` for them to exit, SIGKILL to what is left, then up to
+    `TERMINATE_KILL_WAIT_S` until they are gone (reaping the ones that are ours); then any
+    other child of a zygote the same way (before its zygote goes: an orphan could no longer be
+    told from anyone else's process); then the zygotes (a zygote exits on SIGTERM at once). At
+    most ``grace_s + 2 s`` for each round; a worker that exits on SIGTERM makes its round last
+    milliseconds. Idempotent, safe to call from any thread while other threads wait on these
+    processes (their launches see `generation` change, or the workers die, and raise), never
+    raises, and imports nothing: a command that never launched anything has nothing to stop.
     """
-    stopped = 0
-    for module in _launchers():
-        terminate = getattr(module, "terminate_all", None)
-        if not callable(terminate):
-            continue
+    global _generation
+    signalled = 0
+    try:
+        with _registry_lock:
+            entries = list(_registry.values())
+            _generation += 1
+        workers = [leader for leader, server in entries if not server]
+        servers = [leader for leader, server in entries if server]
+        signalled += stop_groups(workers, grace_s=grace_s, wait_s=TERMINATE_KILL_WAIT_S)
+        orphans = _unregistered_children(servers, {leader.pid for leader in workers})
+        signalled += stop_groups(orphans, grace_s=grace_s, wait_s=TERMINATE_KILL_WAIT_S)
+        signalled += stop_groups(servers, grace_s=grace_s, wait_s=TERMINATE_KILL_WAIT_S)
+    except Exception:  # a signal handler's last resort must not fail the way out
+        pass
+    return signalled
+
+
+def describe_status(returncode: int | None) -> str:
+    """An exit status in words: "exited with code 3", "was killed by SIGKILL (signal 9)"."""
+    if returncode is None:
+        return "was still running (killed)"
+    if returncode < 0:
         try:
-            stopped += int(terminate(grace_s=grace_s) or 0)
-        except Exception:
-            # The contract says it never raises; if one does, the other launcher still runs.
-            continue
-    return stopped
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "an unknown signal"
+        return f"was killed by {name} (signal {-returncode})"
+    return f"exited with code {returncode}"
+
+
+# ---- signals ---------------------------------------------------------------------------------
 
 
 @dataclass

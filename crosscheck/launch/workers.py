@@ -2,13 +2,12 @@
 
 JAX (`crosscheck.run.jax_runner`, `crosscheck.run.jax_resume`, `crosscheck.bugs.jax_bugs`,
 `crosscheck.verification.jax_verify`) runs in worker processes with eight fake CPU devices,
-started and waited for by `jax_impl.harness.launch.run_workers`:
+started and waited for by `crosscheck.launch.worker_processes.run_workers`:
 
-- `jax_launch`: that launcher module without importing JAX into the calling process;
-- `jax_worker_env`: a worker's environment (the device count, the compile flags, this
-  repository importable);
-- `worker_zygote`: this process's zygote, which forks the workers instead of starting each
-  afresh (`jax_impl.harness.zygote`);
+- `jax_worker_env`: a worker's environment (the device count, the compile flags
+  `SMALL_PROGRAM_XLA_FLAGS`, this repository importable);
+- `worker_zygote`: this process's JAX zygote, which forks the workers instead of starting each
+  afresh (`crosscheck.launch.zygote`);
 - `serve_job`: the worker's side, its ``main``: read the pickled job, turn x64 on for float64,
   write the pickled result atomically (`write_atomically`) for the launcher to read.
 
@@ -24,18 +23,13 @@ JAX are imported only when something is launched, never at import.
 
 from __future__ import annotations
 
-import atexit
-import importlib
-import importlib.util
 import os
 import pickle
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,9 +37,8 @@ from crosscheck.contract.fixture import PARAM_KEYS
 from crosscheck.contract.layout import Layout
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.devices import chosen_platform, jax_platform_env
-
-if TYPE_CHECKING:
-    from jax_impl.harness.zygote import Zygote
+from crosscheck.launch.worker_processes import run_workers, write_atomically
+from crosscheck.launch.zygote import Zygote, shared_zygote
 
 Item = TypeVar("Item")
 Judged = TypeVar("Judged")
@@ -72,66 +65,46 @@ def launchable(
     return runnable
 
 
-# ---- JAX: the launcher, the environment, the zygote -------------------------------------------
+# ---- JAX: the environment, the zygote ---------------------------------------------------------
 
-#: The modules of `jax_impl.harness` that need only the standard library, in the order they
-#: import each other: what `jax_launch` loads from their files.
-_STANDALONE = ("process_groups", "launch")
-_load_lock = threading.Lock()
-
-
-def jax_launch() -> ModuleType:
-    """`jax_impl.harness.launch` without importing JAX into this process.
-
-    Importing it as a submodule would run ``jax_impl/__init__`` and import JAX, and launch.py
-    needs only the standard library and `jax_impl.harness.process_groups` (which holds the
-    registry of the process groups this process started): unless the package is already
-    imported, both files are loaded alone, each under its own name. One module of each,
-    whichever way it was loaded, so `jax_impl.harness.launch.terminate_all` (and
-    `crosscheck.launch.processes`, which looks the launcher up by name and file) stops every
-    JAX worker; later ``from jax_impl.harness.launch import ...`` statements get the same module.
-    """
-    name = "jax_impl.harness.launch"
-    with _load_lock:
-        if name in sys.modules:
-            return sys.modules[name]
-        if "jax_impl" in sys.modules:  # the package is there already: import as usual
-            return importlib.import_module(name)
-        for stem in _STANDALONE:
-            _load_alone(f"jax_impl.harness.{stem}", _ROOT / "jax_impl" / "harness" / f"{stem}.py")
-        return sys.modules[name]
-
-
-def _load_alone(name: str, path: Path) -> None:
-    """Execute the module file `path` as `name`, without importing its package."""
-    if name in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
+#: XLA flags for worker processes that compile many tiny programs, where compiling is most of
+#: the run: LLVM code generation at -O0, XLA:CPU's classic elemental emitters instead of the
+#: MLIR fusion emitters (0.4 s -> 0.2 s per harness program), and one LLVM module per program
+#: (splitting a module this small for parallel code generation costs more CPU than it saves:
+#: about 15% of the compile time). None changes XLA's HLO passes or floating-point semantics
+#: (no fast-math): results match the oracle to the harness tolerances, which the tests check.
+SMALL_PROGRAM_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+    "--xla_cpu_parallel_codegen_split_count=1"
+)
+#: jax.config settings for the in-process workers (eight fake devices in one process), set
+#: by each before it traces anything (`crosscheck.launch.workers.serve_job`): the GSPMD
+#: partitioner instead of Shardy. Their programs are shard_map, pmap (a shard_map in this
+#: jax) and global jit over a 1-D data mesh; Shardy's propagation passes were a fifth of XLA's
+#: compile time there (shard_map at R = 2: 6.8 s -> 5.5 s of compile per worker), and the
+#: results are bit-identical (every case of every in-process front-end at R = 1, 2, 4,
+#: compared bit for bit). Not for the `jax.distributed` processes: there GSPMD's programs
+#: compiled as fast but ran slower (the multi-process launches took 58 s instead of 40 s of
+#: wall on 2 cores). Not for a user's own step (`crosscheck verify`) either: that runs as its
+#: author configured it.
+SMALL_PROGRAM_JAX_CONFIG: tuple[tuple[str, bool], ...] = (("jax_use_shardy_partitioner", False),)
 
 
 def jax_worker_env(platform: str | None = None) -> dict[str, str]:
     """The environment of a JAX worker: eight fake CPU devices, the small-program compile
-    flags (`jax_impl.harness.launch.SMALL_PROGRAM_XLA_FLAGS`), one OpenMP thread unless set,
-    and this repository first on ``PYTHONPATH``. Imports no JAX. On another `platform` than
+    flags (`SMALL_PROGRAM_XLA_FLAGS`), one OpenMP thread unless set, and this repository
+    first on ``PYTHONPATH``. Imports no JAX. On another `platform` than
     the CPU (None: `crosscheck.launch.devices.chosen_platform`, which ``crosscheck run
     --platform`` sets), that platform's devices instead of the fake CPU ones."""
-    flags = jax_launch().SMALL_PROGRAM_XLA_FLAGS
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {flags}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
     env["JAX_PLATFORMS"] = "cpu"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
     return jax_platform_env(platform or chosen_platform(), env)
 
 
-#: What the zygote imports once for every worker it forks (see `jax_impl.harness.zygote`): JAX
+#: What the zygote imports once for every worker it forks (see `crosscheck.launch.zygote`): JAX
 #: and the modules the workers of `crosscheck.run` run, named here, not imported.
 ZYGOTE_PRELOAD = (
     "jax",
@@ -144,21 +117,6 @@ ZYGOTE_PRELOAD = (
     "crosscheck.run.jax_worker",
     "crosscheck.run.jax_resume",
 )
-#: How many zygotes one process may start: one, and a replacement when it was stopped (by
-#: `jax_impl.harness.launch.terminate_all` after an interrupt, or a crash); not one per job.
-MAX_ZYGOTE_STARTS = 5
-_zygote_lock = threading.Lock()
-
-
-class _ZygoteSlot:
-    """This process's zygote (None before the first start or after a failed one), and how
-    many were started."""
-
-    zygote: Zygote | None = None
-    starts: int = 0
-
-
-_zygote_slot = _ZygoteSlot()
 
 
 def worker_zygote() -> Zygote | None:
@@ -166,32 +124,13 @@ def worker_zygote() -> Zygote | None:
 
     Every JAX worker of a run is forked from it instead of importing JAX itself (about 1.3 s
     of CPU each). None, and workers start afresh as plain processes (slower, not different),
-    when `jax_impl.harness.zygote.unavailable` says so (the platform lacks ``os.fork`` or
+    when `crosscheck.launch.zygote.unavailable` says so (the platform lacks ``os.fork`` or
     ``os.waitid``, as macOS does, or the environment sets ``GRADWEIGHT_NO_FORK_SERVERS=1``;
     both are checked on every call), or when a zygote refuses to serve or fails to start. A
     zygote that has exited since (stopped on an interrupt) is replaced, up to
-    `MAX_ZYGOTE_STARTS` starts per process. Imports JAX (the zygote's client is in jax_impl).
+    `crosscheck.launch.zygote.MAX_ZYGOTE_STARTS` starts per process (`shared_zygote`).
     """
-    from jax_impl.harness.zygote import Zygote, unavailable
-
-    if unavailable():
-        return None
-    with _zygote_lock:
-        slot = _zygote_slot
-        if slot.zygote is not None and slot.zygote.alive:
-            return slot.zygote
-        if slot.starts >= MAX_ZYGOTE_STARTS:
-            return None
-        slot.starts += 1
-        log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{os.getpid()}.log"
-        try:
-            slot.zygote = Zygote(ZYGOTE_PRELOAD, jax_worker_env(), log)
-        except Exception:  # any failure to start means: no zygote, plain processes
-            slot.zygote = None
-            slot.starts = MAX_ZYGOTE_STARTS  # one that failed to start would fail again
-            return None
-        atexit.register(slot.zygote.close)
-        return slot.zygote
+    return shared_zygote(ZYGOTE_PRELOAD, jax_worker_env())
 
 
 # ---- JAX: the worker's side --------------------------------------------------------------------
@@ -205,12 +144,12 @@ def run_jax_job(
     The job is pickled into `work` (which also takes the worker's log); the worker runs with
     `jax_worker_env` (eight CPU devices), forked from the zygote where `use_zygote` and the
     platform allow, bounded by `timeout_s` and killed with its process group when the launch
-    ends (`jax_impl.harness.launch.run_workers`, whose error this raises). MODULE's ``main``
-    is `serve_job`."""
+    ends (`crosscheck.launch.worker_processes.run_workers`, whose error this raises).
+    MODULE's ``main`` is `serve_job`."""
     work.mkdir(parents=True, exist_ok=True)
     job_path, out = work / "job.pkl", work / "out.pkl"
     job_path.write_bytes(pickle.dumps(job))
-    jax_launch().run_workers(
+    run_workers(
         [[sys.executable, "-m", module, str(job_path), str(out)]],
         timeout_s=timeout_s,
         log_dir=work,
@@ -273,17 +212,12 @@ def report_launch_each(
         on_done(item, result)
 
 
-def write_atomically(path: str | Path, data: bytes) -> None:
-    """`jax_impl.harness.launch.write_atomically` (the whole file or none), without JAX."""
-    jax_launch().write_atomically(path, data)
-
-
 def serve_job(argv: Sequence[str], work: Callable[[dict], object]) -> int:
     """A JAX worker's ``main(JOB OUT)``: `work` the pickled job, pickle its result to OUT.
 
     x64 is process-global in JAX and must be set before any array exists: it is on exactly
     when the job's ``"dtype"`` is float64. The harness's compile settings
-    (`jax_impl.harness.launch.SMALL_PROGRAM_JAX_CONFIG`) are set too: these workers run the
+    (`SMALL_PROGRAM_JAX_CONFIG`) are set too: these workers run the
     project's own programs only. OUT is written atomically: the launcher reads it only after
     the worker exited 0, and a worker that dies leaves none.
     """
@@ -292,7 +226,7 @@ def serve_job(argv: Sequence[str], work: Callable[[dict], object]) -> int:
     import jax
 
     jax.config.update("jax_enable_x64", job["dtype"] == "float64")
-    for name, value in jax_launch().SMALL_PROGRAM_JAX_CONFIG:
+    for name, value in SMALL_PROGRAM_JAX_CONFIG:
         jax.config.update(name, value)
     write_atomically(out_path, pickle.dumps(work(job)))
     return 0

@@ -6,7 +6,7 @@ and also runs the uninterrupted baselines with the reference pmap step
 (`jax_impl.make_pmap_sweep`, no stop); phase 2 restores every checkpoint at the case's resume
 layout and continues to `case.num_updates`. Different dtypes need different processes (x64 is
 global), so a run mixing float32 and float64 cases starts two processes per phase. Every wait
-is bounded by `jax_impl.harness.launch.run_workers`.
+is bounded by `crosscheck.launch.worker_processes.run_workers`.
 
 Run as a module (``python -m crosscheck.run.jax_resume PHASE JOB OUT``) it is the worker.
 """
@@ -26,8 +26,8 @@ import numpy as np
 from crosscheck.contract.cases import STRATEGIES, ResumeCase, ResumeOutput, TrainSettings
 from crosscheck.contract.fixture import BATCH_KEYS
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.worker_processes import run_workers
 from crosscheck.launch.workers import (
-    jax_launch,
     jax_worker_env,
     launchable,
     serve_job,
@@ -92,7 +92,7 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
                 for d in dtypes
             ]
             try:
-                jax_launch().run_workers(
+                run_workers(
                     commands,
                     timeout_s=PHASE_TIMEOUT_S,
                     log_dir=work / f"logs-{phase}",

@@ -7,8 +7,8 @@ jax.distributed over gloo (R of one rank each, or R / 2 of two: `devices_per_pro
 launch per world size serving every case of that size. Every
 worker is forked from one zygote that imported JAX once (`crosscheck.launch.workers`) where the
 platform allows it and ``GRADWEIGHT_NO_FORK_SERVERS`` is not set (else a plain process each), and
-every wait is bounded by `jax_impl.harness.launch.run_workers`, which also kills each worker's
-process group when its launch ends.
+every wait is bounded by `crosscheck.launch.worker_processes.run_workers`, which also kills
+each worker's process group when its launch ends.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
 from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import jax_launch, report_jax_job, worker_zygote
+from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS, report_jax_job, worker_zygote
 from crosscheck.run.jax_worker import id_space
 
 OnDone = Callable[[Case, CaseOutput | BaseException], None]
@@ -176,7 +176,7 @@ def _run_multiprocess(
                     world_size // per_process,
                     work / "run",
                     timeout_s=WORKER_TIMEOUT_S,
-                    extra_xla_flags=jax_launch().SMALL_PROGRAM_XLA_FLAGS,
+                    extra_xla_flags=SMALL_PROGRAM_XLA_FLAGS,
                     zygote=worker_zygote(),
                     devices_per_process=per_process,
                 )

@@ -2,7 +2,7 @@
 
 `torch_impl.harness.cases.run_cases` runs on every rank of a real gloo process group; this side
 builds its case list, makes one job per world size that launches once (bounded by a timeout; ranks
-are forked from a fork server that imported torch, see `torch_impl.harness.launcher`), and turns
+are forked from a zygote that imported torch, see `torch_impl.harness.launcher`), and turns
 each rank's plain numpy output into a `CaseOutput`. The accidental schemes are produced the way real
 loops produce them: F.cross_entropy(reduction="mean") per microbatch under plain DDP averaging
 (`mean_loss`), which is rank_mean at M = 1 and microbatch_mean at M > 1. Every dtype of the
@@ -156,7 +156,7 @@ def jobs(cases: list[Case], settings: TrainSettings, on_done: OnDone) -> list[Jo
     for case in cases:
         by_world.setdefault(case.world_size, []).append(case)
     # Costs (CPU seconds, measured on 2 cores): a rank starts in about 0.5 s (forked from the
-    # fork server); a case costs every rank a few ms, more as ranks outnumber the cores and
+    # zygote); a case costs every rank a few ms, more as ranks outnumber the cores and
     # wait for each other at every collective.
     return [
         Job(

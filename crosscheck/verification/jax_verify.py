@@ -5,7 +5,7 @@ The step follows the protocol of `crosscheck.verification.protocol`.
 x64 and the fake-device count are process-global in JAX, and the user's code may hang or kill
 its process, so the step runs in a worker process (`crosscheck.verification.jax_verify_worker`)
 with eight CPU devices, started in the caller's working directory and waited for by
-`jax_impl.harness.launch.run_workers` with a bounded wait. JAX start-up and the step's
+`crosscheck.launch.worker_processes.run_workers` with a bounded wait. JAX start-up and the step's
 compiles dominate: each worker pays the start-up once and serves its share of the jobs, one
 worker per core (`_shares`), so the compiles of different layouts run side by side.
 
@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 
 from crosscheck.fixtures.builtin import builtin_fixture
-from crosscheck.launch.workers import jax_launch, jax_worker_env
+from crosscheck.launch.worker_processes import run_workers
+from crosscheck.launch.workers import jax_worker_env
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
 WORKER_MODULE = "crosscheck.verification.jax_verify_worker"
@@ -151,7 +152,6 @@ def run(
     bad_spec = _check_spec(step)
     if bad_spec is not None:
         return {job: StepError(f"{job.describe()}: {bad_spec}") for job in jobs}
-    launch = jax_launch()  # without importing JAX here
     cwd = os.getcwd()
     env = jax_worker_env(platform)
     # The user's module (and anything it starts) must import from the caller's directory.
@@ -180,7 +180,7 @@ def run(
             folders.append(progress)
         failure: Exception | None = None
         try:
-            launch.run_workers(
+            run_workers(
                 commands,
                 timeout_s=timeout_s,
                 log_dir=work / "logs",

@@ -5,29 +5,30 @@ no importable module or a module without that callable, a plain source file with
 error, a function whose parameters cannot take the framework's call, and a step module that
 starts a verification when imported: the user's set-up is wrong, and no case is run or
 reported. The user's module is never imported into this process: a plain source file is read,
-anything else is imported in one short, bounded subprocess. `unguarded_main_call` refuses a
-verification started from a script's top level outside its ``__main__`` guard, and
-`stop_rerun_in_rank` stops a rank that starts one anyway.
+anything else is imported in one short, bounded subprocess. (The calling script itself is never
+imported again by a rank or a worker: a verification called from its top level, with no
+``__main__`` guard, runs once.)
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import difflib
 import importlib.machinery
 import importlib.util
 import inspect
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
+
+from crosscheck.launch.processes import stop_groups
+from crosscheck.launch.worker_processes import start_worker
 
 
 def step_name(step: str | Callable) -> str:
@@ -51,31 +52,21 @@ class StepSetupError(ValueError):
     """The step cannot run as given: no such module, no such attribute, not callable, a syntax
     error, a signature the framework's call cannot bind, or a verification started at import.
 
-    Raised by `verify` (through `check_step` and `unguarded_main_call`) before any runner
+    Raised by `verify` (through `check_step`) before any runner
     starts: the user's set-up is wrong, and no case is run or reported.
     """
 
 
-#: The calls that start a verification. Made at a module's import, outside an ``if __name__ ==
-#: "__main__":`` guard, one runs again in every process that imports the module: the torch
-#: ranks (multiprocessing imports the main script again in each) and every step worker.
+#: The calls that start a verification. Made at a step module's import, outside an ``if
+#: __name__ == "__main__":`` guard, one runs again in every process that imports the module to
+#: run the step: every torch rank and JAX worker.
 VERIFY_CALLS = frozenset({"verify", "assert_weighting"})
-
-#: The exit status of a rank that stopped because it found itself starting a verification
-#: while multiprocessing imported the calling script again (`stop_rerun_in_rank`).
-MAIN_RERUN_EXIT = 86
-
-_GUARD_ADVICE = (
-    'put the call under `if __name__ == "__main__":` (every rank process imports the script '
-    "again, and would start the verification again)"
-)
 
 
 def _is_main_guard(node: ast.stmt) -> bool:
     """An ``if`` whose test reads ``__name__`` (``if __name__ == "__main__":``, either way
     round, or within a longer condition). Any such test counts as a guard: a check that
-    mistook a real guard for none would refuse a correct script, and the rank's own check
-    (`stop_rerun_in_rank`) still stops a verification that runs again."""
+    mistook a real guard for none would refuse a correct module."""
     return isinstance(node, ast.If) and any(
         isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test)
     )
@@ -121,80 +112,13 @@ def _verify_call_line(tree: ast.Module) -> int | None:
     return min(unguarded) if unguarded else None
 
 
-def _module_frame(module: object) -> Any:
-    """The frame running `module`'s top-level code, if it is on the call stack: the frame whose
-    globals are the module's own namespace (a launcher that runs the script, e.g. coverage's,
-    has frames of its own named ``__main__`` that are not the script's)."""
-    namespace = getattr(module, "__dict__", None)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "<module>" and frame.f_globals is namespace:
-            return frame
-        frame = frame.f_back
-    return None
-
-
-def _guarded_in_file(path: str, line: int) -> bool | None:
-    """Whether `line` of the source file `path` is under a ``__name__`` test (None when the file
-    cannot be read or parsed)."""
-    try:
-        tree = ast.parse(Path(path).read_bytes(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    return _guarded_at(tree, line)
-
-
-def unguarded_main_call(what: str) -> str:
-    """Why `what` (``crosscheck.verify``, ...), called now, would run again in every torch rank,
-    or "" when it would not.
-
-    Python's multiprocessing (the fork server and spawn start methods alike) runs the main
-    script again, as ``__mp_main__``, in every process it starts, except a package's
-    ``__main__`` (``python -m pkg``) and an interactive session. A call made from the script's
-    top level outside its ``__main__`` guard therefore starts the verification again in each
-    rank. Read from the call stack and the script's source: a script that cannot be read is
-    not refused here (`stop_rerun_in_rank` is the rank's own backstop).
-    """
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is None and getattr(main, "__file__", None) is None:
-        return ""  # interactive, ``python -c``, a notebook: nothing is imported again
-    if spec is not None and spec.name.rpartition(".")[2] == "__main__":
-        return ""
-    frame = _module_frame(main)
-    if frame is None:
-        return ""
-    path, line = frame.f_code.co_filename, frame.f_lineno
-    if _guarded_in_file(path, line) is not False:  # guarded, or a source it cannot read
-        return ""
-    return f"{path}:{line}: {what} runs at the top level of the script: {_GUARD_ADVICE}"
-
-
-def stop_rerun_in_rank(what: str) -> None:
-    """End this process, with one line on stderr, if `what` was called by multiprocessing's
-    import of the main script in a rank: the script lacks its ``__main__`` guard and the
-    caller's `unguarded_main_call` could not tell (a script it could not read). The rank must
-    not start a verification of its own; the launcher names the exit status `MAIN_RERUN_EXIT`.
-    """
-    # In a rank, multiprocessing runs the script (runpy) in a module named "__mp_main__" that
-    # it has put in sys.modules under that name for the run. In every other process the name
-    # is an alias of __main__ (multiprocessing's import sets it), whose __name__ is "__main__".
-    module = sys.modules.get("__mp_main__")
-    if getattr(module, "__name__", None) != "__mp_main__":
-        return
-    frame = _module_frame(module)
-    if frame is None:
-        return
-    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-    print(f"gradweight: {where}: {what} runs again in a rank: {_GUARD_ADVICE}", file=sys.stderr)
-    sys.stderr.flush()
-    os._exit(MAIN_RERUN_EXIT)  # inside multiprocessing's start of the rank: nothing to unwind
-
-
 #: The one subprocess that imports the step's module to look for the function may take this
 #: long (importing torch or JAX is most of it); past it the check gives up and the runners,
 #: which bound their own waits, report whatever the import does.
 STEP_CHECK_TIMEOUT_S = 60.0
+_CHECK_POLL_S = 0.02
+#: How long the check waits for its killed group to be gone.
+_CHECK_KILL_WAIT_S = 5.0
 _ROOT = str(Path(__file__).resolve().parents[2])
 
 #: Run as ``python -c`` in the caller's directory: import the module, find the attribute,
@@ -382,25 +306,23 @@ def _import_check(
     with tempfile.TemporaryDirectory(prefix="gradweight-step-check-") as tmp:
         out = Path(tmp) / "found.json"
         argv = [module, function, cwd, str(out), json.dumps([p for p in sys.path if p])]
-        process = subprocess.Popen(
+        # A worker of the process layer: its own group (whatever the import starts goes with
+        # it), registered, so that an interrupt stops it like any other.
+        leader = start_worker(
             [sys.executable, "-c", _CHECK_SOURCE, *argv],
-            cwd=cwd,
+            stdout=Path(tmp) / "check.out",
+            stderr=Path(tmp) / "check.err",
             env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own group: whatever the import starts goes with it
+            cwd=cwd,
         )
+        deadline = time.monotonic() + timeout_s
         try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+            while leader.poll() is None and time.monotonic() < deadline:
+                time.sleep(_CHECK_POLL_S)
         finally:
             # Kill the group even when the leader has exited: the import may have started
             # processes of its own.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            stop_groups([leader], wait_s=_CHECK_KILL_WAIT_S)
         try:
             return json.loads(out.read_text())
         except (OSError, ValueError):

@@ -21,12 +21,12 @@ Time: `timeout_s` bounds the whole run of the step, all jobs of every world size
   watchdogs fire, and `CLEANUP_S` (4 s) to stop every process the launch started (SIGTERM,
   SIGKILL after `STOP_GRACE_S`), with nothing left running. Measured on two shared
   cores, in a fresh process: a step that hangs in its first job returns after 12.2 s under
-  ``--timeout 10`` and 22.1 s under ``--timeout 20`` (2.1 s of it the fork server's first
+  ``--timeout 10`` and 22.1 s under ``--timeout 20`` (2.1 s of it the zygote's first
   import of torch, which a slow start-up may stretch to STARTUP_GRACE_S).
 * A job that fails on any rank ends that launch: a rank left waiting in a collective by a peer
   that raised is stopped by its watcher half a second after the peer's error (not at the
   collective timeout), the job is reported with the raising rank's error, and a fresh process
-  group runs the jobs that remain (forking ranks from the warm fork server takes a fraction of
+  group runs the jobs that remain (forking ranks from the warm zygote takes a fraction of
   a second). A rank that dies (a signal, ``os._exit``) fails its job the same way.
 * A rank alone in a collective that no peer joins (its peers finished) fails at the process
   group's collective timeout: half of `timeout_s`, at least 5 s, at most 30 s, never above
@@ -55,7 +55,7 @@ from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 if TYPE_CHECKING:  # torch is imported only when something is launched
     from torch_impl.harness.user_step import UserStepJob
 
-#: Start-up allowance inside the run's deadline: the fork server's first import of torch
+#: Start-up allowance inside the run's deadline: the zygote's first import of torch
 #: (about 2 s on two idle cores; 11 s was seen on two cores shared with other test runs) and,
 #: per launch, forking R ranks, joining the group and DDP's warm-up (a fraction of a second
 #: each). Start-up within it does not eat into the step's `timeout_s`; it only widens the worst

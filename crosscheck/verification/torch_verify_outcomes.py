@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from crosscheck.diagnosis.verdict import level_of_dtypes
+from crosscheck.launch.processes import describe_status
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
-from crosscheck.verification.step_check import MAIN_RERUN_EXIT
 
 if TYPE_CHECKING:  # torch is imported only when something is launched
     from torch_impl.harness.user_step import RankOutcome
@@ -135,7 +135,6 @@ def unfinished(
         LaunchStoppedError,
         LaunchTimeoutError,
         RankFailedError,
-        describe_exit,
     )
     from torch_impl.harness.user_step import outcome_path, read_watchdog
 
@@ -164,13 +163,8 @@ def unfinished(
         return StepError(f"{job.describe()}: not run: {why}"), why, True
     started = _job_started(status_dir, index, world_size)
     if isinstance(error, RankFailedError) and error.rank not in reported:
-        if error.exitcode == MAIN_RERUN_EXIT:
-            cause = (
-                "it imported the calling script again, which starts a verification at its top "
-                'level: put the call under `if __name__ == "__main__":`'
-            )
-        elif error.exitcode is not None:
-            cause = f"process {describe_exit(error.exitcode)} without reporting a result"
+        if error.exitcode is not None:
+            cause = f"process {describe_status(error.exitcode)} without reporting a result"
         else:
             cause = _short(error.details)
         doing = "running the step" if started else "starting"

@@ -64,15 +64,12 @@ from crosscheck.verification.step_check import (
     STEP_CHECK_TIMEOUT_S,
     check_step,
     step_name,
-    stop_rerun_in_rank,
-    unguarded_main_call,
 )
 
 # Re-exported: the public API finds it beside `verify`, which raises it.
 from crosscheck.verification.step_check import StepSetupError as StepSetupError
 
 #: How the set-up messages name the call that starts a verification.
-_CALL = "crosscheck.verify (or assert_weighting)"
 Framework = Literal["torch", "jax"]
 FRAMEWORKS = {
     "torch": "crosscheck.verification.torch_verify",
@@ -259,17 +256,10 @@ def verify(
     `context_orders` ("zigzag", "contiguous") with the other layout arguments.
 
     Raises ValueError for bad arguments, and `StepSetupError` (a ValueError) when `step`
-    cannot run as given (`check_step`) or, in torch, when the call comes from a script's top
-    level outside its ``__main__`` guard (`unguarded_main_call`), before any process starts.
+    cannot run as given (`check_step`), before any process starts.
     """
-    # A rank importing an unguarded calling script again stops here, before any work.
-    stop_rerun_in_rank(_CALL)
     if framework not in FRAMEWORKS:
         raise ValueError(f"framework must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
-    if framework == "torch" and run_jobs is None:  # the torch ranks import the script again
-        problem = unguarded_main_call(_CALL)
-        if problem:
-            raise StepSetupError(problem)
     if (scheme is None) == (objective is None):
         raise ValueError(
             "verify needs the intended scheme (--scheme) or the intended multi-term objective "

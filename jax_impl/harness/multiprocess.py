@@ -5,8 +5,8 @@ ranks); the "data" mesh spans all processes and the
 shard_map step runs unchanged (`jax_impl.shard_map_step`), each process supplying its own
 rank's rows. `launch_multiprocess` starts real worker processes (``python -m
 jax_impl.harness.multiprocess_worker``, which joins the job and runs the step) through
-`jax_impl.harness.launch.run_workers`, so every wait is bounded and a crashed worker stops the
-others instead of leaving them blocked in a collective.
+`crosscheck.launch.worker_processes.run_workers`, so every wait is bounded and a crashed
+worker stops the others instead of leaving them blocked in a collective.
 
 A worker runs a *spec* (JSON), plain data so that no harness code enters the workers:
 ``cases`` (``[{"fixture": path to a six-array fixture .npz, "accum_steps": M}]``; R is the
@@ -35,10 +35,10 @@ process already belongs to a ``jax.distributed`` job (`joined_job`) whose proces
 several devices each: nothing is launched, each process runs the spec itself
 (`jax_impl.harness.in_place.run_spec_in_place`).
 
-Coordinator port: held by the launcher (`jax_impl.harness.launch.PortReservation`) for the whole
-launch, so concurrent launches never share one; process 0 checks it can bind the port before
-starting the coordinator and otherwise exits with `PORT_TAKEN_EXIT`, and the launch is retried
-on a fresh port.
+Coordinator port: held by the launcher (`crosscheck.launch.worker_processes.PortReservation`) for
+the whole launch, so concurrent launches never share one; process 0 checks it can bind the port
+before starting the coordinator and otherwise exits with `PORT_TAKEN_EXIT`, and the launch is
+retried on a fresh port.
 """
 
 from __future__ import annotations
@@ -55,8 +55,13 @@ from typing import Any
 
 import numpy as np
 
-from jax_impl.harness.launch import LaunchError, PortReservation, reserve_port, run_workers
-from jax_impl.harness.zygote import Zygote
+from crosscheck.launch.worker_processes import (
+    LaunchError,
+    PortReservation,
+    reserve_port,
+    run_workers,
+)
+from crosscheck.launch.zygote import Zygote
 
 #: The module each process runs: ``python -m jax_impl.harness.multiprocess_worker``.
 WORKER_MODULE = "jax_impl.harness.multiprocess_worker"
@@ -121,14 +126,14 @@ def launch_multiprocess(
     (R = their product: process i holds ranks i d .. i d + d - 1); return each rank's results,
     in rank order.
 
-    Raises `jax_impl.harness.launch.LaunchError` when a worker fails (a worker killed by a signal is
-    named with the signal, the others are stopped within a second) or `timeout_s` passes; the
-    whole call, retries included, waits at most ``timeout_s`` plus the launcher's kill wait.
-    With a `zygote` (`jax_impl.harness.zygote`) the processes are forked from it.
+    Raises `crosscheck.launch.worker_processes.LaunchError` when a worker fails (a worker killed by
+    a signal is named with the signal, the others are stopped within a second) or `timeout_s`
+    passes; the whole call, retries included, waits at most ``timeout_s`` plus the launcher's kill
+    wait. With a `zygote` (`crosscheck.launch.zygote`) the processes are forked from it.
 
     The coordinator's port cannot race with another launch: it is held by a
-    `jax_impl.harness.launch.PortReservation` until the launch ends. Should it still be taken when
-    process 0 starts the coordinator (a process that bound it explicitly), the launch is
+    `crosscheck.launch.worker_processes.PortReservation` until the launch ends. Should it still be
+    taken when process 0 starts the coordinator (a process that bound it explicitly), the launch is
     retried on a new port, up to `PORT_ATTEMPTS` attempts; each attempt's logs are in
     ``work_dir/attempt<k>``.
     """

@@ -33,9 +33,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from crosscheck.launch.worker_processes import write_atomically
 from jax_impl.batch import Batch, lay_out_global_batch, rank_slice
 from jax_impl.denominators import denominator_dtype
-from jax_impl.harness.launch import write_atomically
 from jax_impl.harness.multiprocess import PORT_TAKEN_EXIT, variant_name
 from jax_impl.model import Params, params_from_numpy
 from jax_impl.shard_map_step import (

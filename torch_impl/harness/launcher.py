@@ -1,14 +1,14 @@
 """Run a function on R real processes with a gloo process group; every wait is bounded.
 
-``launch(fn, world_size, args)`` starts R rank processes (see `torch_impl.harness.rank_processes`),
+``launch(fn, world_size, args)`` starts R rank processes (see "Where ranks come from" below),
 joins them into a gloo process group through a ``file://`` rendezvous in a fresh temporary
 directory (no port to race for), calls ``fn(rank, world_size, *args)`` on each and returns the
 R results in rank order. It never hangs, and nothing it starts outlives it:
 
 * every rank leads a process group of its own, so the launcher stops a rank by signalling its
   group: whatever the rank's code started (a data loader's workers, a ``subprocess``) goes with
-  it, unless it left the group itself (``setsid``, ``start_new_session=True``). Ranks are not
-  daemonic, so they may start children;
+  it, unless it left the group itself (``setsid``, ``start_new_session=True``). A rank may
+  start children;
 * the job, the results and each rank's report travel through files in a fresh temporary
   directory (the rank side: `torch_impl.harness.rank_worker`): starting a process never
   blocks on a pipe its child may not live to read, and a rank killed at any moment cannot
@@ -23,21 +23,22 @@ R results in rank order. It never hangs, and nothing it starts outlives it:
   (a result, an error, the deadline, KeyboardInterrupt) its process groups get SIGTERM, then
   SIGKILL after ``stop_grace_s`` (2 s), and are gone before it returns or raises.
 
-Where ranks come from (`start_method`, decided at every launch;
-`torch_impl.harness.rank_processes`): forked from a fork server of the launcher's own that imported
-torch once, where the platform has ``os.fork`` and multiprocessing's forkserver start method and
-``GRADWEIGHT_NO_FORK_SERVERS`` is unset, "" or "0"; otherwise spawned, each rank a fresh interpreter
-that imports torch itself. Same results, same messages, only slower. Measured on two shared cores, a
-two-rank launch takes about 2.0 s through the fork server the first time in a process (the server's
-import of torch) and 0.07 s every later time; spawned, 1.4-1.5 s every time for a trivial function
-and 2.7-2.9 s for one that constructs DDP (whose dependencies the fork server preloads). The fork
-server keeps the environment of the launch that started it; a spawned rank that of its own.
+Where ranks come from (`start_method`, decided at every launch): forked from the project's
+zygote (`crosscheck.launch.zygote`) started with torch and DDP's dependencies imported once
+(`FORK_SERVER_PRELOAD`), where the platform has what the zygote uses and
+``GRADWEIGHT_NO_FORK_SERVERS`` is unset, "" or "0"; otherwise fresh interpreters that import torch
+themselves. Same results, same messages, only slower. Every rank is a worker process of
+`crosscheck.launch.worker_processes.start_worker` (``python -m torch_impl.harness.rank_main``,
+its output in the launch's directory and copied to this process's stdout and stderr when the
+launch ends), its group in the one registry of `crosscheck.launch.processes`, as JAX's workers
+are. A rank finds the caller's ``sys.path`` (and a function defined in the caller's main script)
+through the job file.
 
-`terminate_all` stops every launch in flight from any thread (the CLI calls it on Ctrl-C or
-SIGTERM), and the fork server and resource tracker the launches started. `finish_rank`
-(re-exported from the rank side) ends the rank it is called in at once, as if `fn` had
-returned: for a rank whose main thread is stuck in a collective that a failed peer will never
-join.
+`crosscheck.launch.processes.terminate_all` stops every launch in flight from any thread (the
+CLI calls it on Ctrl-C or SIGTERM), and the zygote; each launch then raises
+`LaunchStoppedError`. `finish_rank` (re-exported from the rank side) ends the rank it is
+called in at once, as if `fn` had returned: for a rank whose main thread is stuck in a
+collective that a failed peer will never join.
 """
 
 from __future__ import annotations
@@ -45,23 +46,40 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from torch_impl.harness import in_place, rank_processes, rank_worker
+from crosscheck.launch import processes
+from crosscheck.launch.processes import GroupLeader, describe_status
+from crosscheck.launch.worker_processes import start_worker
+from crosscheck.launch.zygote import Zygote, shared_zygote, unavailable
+from torch_impl.harness import in_place, rank_worker
+from torch_impl.harness.rank_worker import finish_rank as finish_rank  # re-exported
 
-# Re-exported: callers and crosscheck.launch.processes find these here.
-from torch_impl.harness.rank_processes import FORK_SERVER_PRELOAD as FORK_SERVER_PRELOAD
-from torch_impl.harness.rank_processes import NO_FORK_SERVERS_ENV as NO_FORK_SERVERS_ENV
-from torch_impl.harness.rank_processes import describe_exit as describe_exit
-from torch_impl.harness.rank_processes import start_method as start_method
-from torch_impl.harness.rank_processes import terminate_all as terminate_all
-from torch_impl.harness.rank_worker import finish_rank as finish_rank
-
+#: What the zygote of the ranks imports before it forks any: torch, and what DDP's constructor
+#: and FSDP2 import on first use (torch._dynamo, about 2.5 s of CPU in every rank otherwise;
+#: FSDP2 pulls in DTensor), and the rank's own module. A fixed list: importing a caller's module
+#: there could hang or fail every launch; the module of `fn` is imported by each rank.
+FORK_SERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch_impl",
+    "torch_impl.harness.rank_worker",
+)
+#: What each rank runs (``python -m``).
+RANK_MODULE = "torch_impl.harness.rank_main"
+ZYGOTE, FRESH = "zygote", "fresh"
+_ROOT = Path(__file__).resolve().parents[2]
+#: After every rank's group was signalled, how long it may take to be gone.
+_KILL_WAIT_S = 2.0
 #: After a rank reported a peer's failure (a closed connection, a timed-out collective), how
 #: long to wait for the rank that caused it to be seen dead or to report its own error.
 _EXIT_GRACE_S = 2.0
@@ -142,32 +160,26 @@ def launch(
         raise RuntimeError("torch.distributed with the gloo backend is required and missing")
     if device == "cuda" and not dist.is_nccl_available():
         raise RuntimeError("device 'cuda' needs torch.distributed's NCCL backend, missing here")
-    # The deadline counts from here: starting ranks (the fork server's first import of torch,
-    # or every spawned rank's) is part of the launch's time.
+    # The deadline counts from here: starting ranks (the zygote's first import of torch, or
+    # every fresh rank's) is part of the launch's time.
     deadline = time.monotonic() + timeout_s
-    method = start_method()
-    rank_processes.ensure_running(method)
-    generation = rank_processes.generation()
+    zygote = rank_zygote()
+    generation = processes.generation()
     workdir = tempfile.mkdtemp(prefix="gradweight-launch-")
-    # The job goes through a file, not the start pipe: Process.start() writes its arguments
-    # into a pipe and blocks until the child reads them, so a child that dies while starting
-    # (e.g. a main module without the __main__ guard) would hang the caller on a large job.
-    rank_worker.write_pickle(os.path.join(workdir, rank_worker.JOB_FILE), (fn, tuple(args)))
+    # The job goes through a file: a rank that dies while starting can block nobody.
+    rank_worker.write_job(workdir, fn, tuple(args))
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
-    processes = [
-        rank_processes.new_process(
-            method,
-            rank_worker.worker,
-            (rank, world_size, init_method, collective_timeout_s, workdir, device),
-            f"gradweight-rank-{rank}",
-        )
-        for rank in range(world_size)
-    ]
-    groups = []
+    env, cwd = rank_env(), os.getcwd()
+    leaders: list[GroupLeader] = []
     try:
-        for process in processes:
-            groups.append(rank_processes.start(process))
-        _collect(processes, workdir, deadline, timeout_s, generation)
+        for rank in range(world_size):
+            command = [sys.executable, "-m", RANK_MODULE, workdir, str(rank), str(world_size)]
+            command += [init_method, repr(float(collective_timeout_s)), device]
+            out, err = _output_files(workdir, rank)
+            leaders.append(
+                start_worker(command, stdout=out, stderr=err, env=env, cwd=cwd, zygote=zygote)
+            )
+        _collect(leaders, workdir, deadline, timeout_s, generation)
         values = []
         for rank in range(world_size):
             with open(os.path.join(workdir, rank_worker.result_file(rank)), "rb") as f:
@@ -175,12 +187,56 @@ def launch(
         # Give the ranks a moment to leave their process group cleanly before the signals
         # (within the deadline: the results are in hand, the bound holds).
         exit_by = min(time.monotonic() + _EXIT_WAIT_S, deadline)
-        for process in processes:
-            process.join(timeout=max(0.0, exit_by - time.monotonic()))
+        while any(leader.poll() is None for leader in leaders) and time.monotonic() < exit_by:
+            time.sleep(_POLL_S)
         return values
     finally:
-        rank_processes.stop(groups, processes, stop_grace_s)
+        processes.stop_groups(leaders, grace_s=stop_grace_s, wait_s=_KILL_WAIT_S)
+        _forward_output(workdir, len(leaders))
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def start_method(env: Mapping[str, str] | None = None) -> str:
+    """How a launch started now starts its ranks: forked from the zygote (``"zygote"``), or
+    as fresh interpreters (``"fresh"``) where `crosscheck.launch.zygote.unavailable` says why."""
+    return FRESH if unavailable(env) else ZYGOTE
+
+
+def rank_env() -> dict[str, str]:
+    """A rank's environment: this process's, with one OpenMP thread unless set (several ranks
+    share few cores, and the zygote must import torch without starting a thread) and this
+    repository first on ``PYTHONPATH`` (a fresh rank imports `torch_impl` from it)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def rank_zygote() -> Zygote | None:
+    """This process's zygote of torch ranks (`FORK_SERVER_PRELOAD`), started on first use; None
+    where none may run (`start_method` is then ``"fresh"``)."""
+    if start_method() == FRESH:
+        return None
+    return shared_zygote(FORK_SERVER_PRELOAD, rank_env())
+
+
+def _output_files(workdir: str, rank: int) -> tuple[Path, Path]:
+    return Path(workdir, f"rank{rank}.out"), Path(workdir, f"rank{rank}.err")
+
+
+def _forward_output(workdir: str, world_size: int) -> None:
+    """What each rank printed, onto this process's stdout and stderr, rank by rank: a rank's
+    output lands in a file while it runs (a worker never writes to a pipe it may block on)."""
+    for rank in range(world_size):
+        streams = (sys.stdout, sys.stderr)
+        for path, stream in zip(_output_files(workdir, rank), streams, strict=True):
+            try:
+                text = path.read_text(errors="replace")
+            except OSError:
+                continue
+            if text:
+                stream.write(text)
+                stream.flush()
 
 
 def _read_reports(workdir: str, reports: dict[int, rank_worker.Report], world_size: int) -> None:
@@ -195,47 +251,49 @@ def _read_reports(workdir: str, reports: dict[int, rank_worker.Report], world_si
 
 
 def _dead_silent(
-    processes: list, reports: dict[int, rank_worker.Report], workdir: str
+    leaders: Sequence[GroupLeader], reports: dict[int, rank_worker.Report], workdir: str
 ) -> int | None:
     """The first rank that exited without a report (checked after its exit: no race)."""
-    for rank, process in enumerate(processes):
-        if rank in reports or process.is_alive():
+    for rank, leader in enumerate(leaders):
+        if rank in reports or leader.poll() is None:
             continue
-        _read_reports(workdir, reports, len(processes))  # written before it exited, if at all
+        _read_reports(workdir, reports, len(leaders))  # written before it exited, if at all
         if rank not in reports:
             return rank
     return None
 
 
 def _collect(
-    processes: list, workdir: str, deadline: float, timeout_s: float, generation: int
+    ranks: Sequence[GroupLeader],
+    workdir: str,
+    deadline: float,
+    timeout_s: float,
+    generation: int,
 ) -> None:
     """Wait until every rank reported success; raise for the first failure or the deadline."""
     reports: dict[int, rank_worker.Report] = {}
     while True:
-        _read_reports(workdir, reports, len(processes))
-        if len(reports) == len(processes) and all(report.ok for report in reports.values()):
+        _read_reports(workdir, reports, len(ranks))
+        if len(reports) == len(ranks) and all(report.ok for report in reports.values()):
             return
-        if rank_processes.generation() != generation:  # stopped: whatever failed, failed so
+        if processes.generation() != generation:  # stopped: whatever failed, failed so
             raise LaunchStoppedError("the launch was stopped by terminate_all()")
         if any(not report.ok for report in reports.values()):
-            raise _root_cause(processes, workdir, reports)
-        dead = _dead_silent(processes, reports, workdir)
+            raise _root_cause(ranks, workdir, reports)
+        dead = _dead_silent(ranks, reports, workdir)
         if dead is not None:
-            exitcode = processes[dead].exitcode
+            exitcode = ranks[dead].poll()
             raise RankFailedError(
-                dead, f"process {describe_exit(exitcode)} without reporting a result", exitcode
+                dead, f"process {describe_status(exitcode)} without reporting a result", exitcode
             )
         now = time.monotonic()
         if now >= deadline:
-            raise LaunchTimeoutError(
-                [r for r in range(len(processes)) if r not in reports], timeout_s
-            )
+            raise LaunchTimeoutError([r for r in range(len(ranks)) if r not in reports], timeout_s)
         time.sleep(min(_POLL_S, deadline - now))
 
 
 def _root_cause(
-    processes: list, workdir: str, reports: dict[int, rank_worker.Report]
+    ranks: Sequence[GroupLeader], workdir: str, reports: dict[int, rank_worker.Report]
 ) -> RankFailedError:
     """The failure to report once some rank reported one: a rank that died first is the cause.
 
@@ -250,12 +308,12 @@ def _root_cause(
             (report.written_at, rank) for rank, report in reports.items() if not report.ok
         )
         first = failed[0][1]
-        dead = _dead_silent(processes, reports, workdir)
+        dead = _dead_silent(ranks, reports, workdir)
         if dead is not None:
-            exitcode = processes[dead].exitcode
+            exitcode = ranks[dead].poll()
             return RankFailedError(
                 dead,
-                f"process {describe_exit(exitcode)} without reporting a result; "
+                f"process {describe_status(exitcode)} without reporting a result; "
                 f"rank {first} then failed with:\n{reports[first].details}",
                 exitcode,
             )
@@ -266,12 +324,12 @@ def _root_cause(
             # A peer timed out or vanished but no rank died: one that is still running
             # (hung, or slower than the collective timeout) is the likelier cause.
             details = reports[first].details
-            running = [r for r, p in enumerate(processes) if r not in reports and p.is_alive()]
+            running = [r for r, p in enumerate(ranks) if r not in reports and p.poll() is None]
             if running:
                 details += f"\n(rank(s) {', '.join(map(str, running))} still running at the time)"
             return RankFailedError(first, details)
         time.sleep(_POLL_S)
-        _read_reports(workdir, reports, len(processes))
+        _read_reports(workdir, reports, len(ranks))
 
 
 def _peer_failure(details: str) -> bool:

@@ -1,32 +1,42 @@
 """What runs inside a rank process of `torch_impl.harness.launcher.launch`, and what it leaves.
 
-`worker` is every rank's entry point: it leads a process group of its own, reads the job from
-``job.pkl`` in the launch's directory, joins the gloo process group, calls ``fn(rank,
-world_size, *args)``, and leaves ``result-{rank}.pkl`` (the value) and then
-``report-{rank}.pkl`` (a `Report`: ok, or the traceback) for the launcher, which polls for
-the reports. Every file is written atomically (`write_atomic`), so a rank killed at any
-moment leaves a whole file or none. `finish_rank` ends a rank at once, as if `fn` had
-returned, from any of its threads.
+A rank is ``python -m torch_impl.harness.rank_main WORKDIR RANK WORLD_SIZE INIT_METHOD
+TIMEOUT_S DEVICE`` (`main`), forked from the ranks' zygote or a fresh interpreter. `worker`
+leads a process group of its own, reads the job from ``job.pkl`` in the launch's directory
+(`write_job`: the caller's ``sys.path``, its main script when `fn` lives there, then ``(fn,
+args)``), joins the gloo process group, calls ``fn(rank, world_size, *args)``, and leaves
+``result-{rank}.pkl`` (the value) and then ``report-{rank}.pkl`` (a `Report`: ok, or the
+traceback) for the launcher, which polls for the reports. Every file is written atomically
+(`crosscheck.launch.worker_processes.write_atomically`), so a rank killed at any moment
+leaves a whole file or none. `finish_rank` ends a rank at once, as if `fn` had returned, from
+any of its threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import os
 import pickle
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
-#: The job every rank reads: (fn, args), pickled.
+from crosscheck.launch.worker_processes import write_atomically
+
+#: The job every rank reads (`write_job`).
 JOB_FILE = "job.pkl"
+#: The name the caller's main script is imported under in a rank, as multiprocessing does: a
+#: rank's own ``__main__`` is this module.
+MAIN_SCRIPT_MODULE = "__mp_main__"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,20 +59,35 @@ def report_file(rank: int) -> str:
     return f"report-{rank}.pkl"
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` under a temporary name, then rename it into place: a reader
-    polling for the file sees it whole or not at all."""
-    # A name of this process and thread: two threads of one rank (see finish_rank) never
-    # write the same temporary file.
-    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with open(temporary, "wb") as f:
-        f.write(data)
-    os.replace(temporary, path)
-
-
 def write_pickle(path: str, value: Any) -> None:
-    """`value` pickled to `path`, atomically (`write_atomic`)."""
-    write_atomic(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    """`value` pickled to `path`, atomically (`write_atomically`)."""
+    write_atomically(path, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def write_job(workdir: str, fn: Callable[..., Any], args: tuple) -> None:
+    """The job of every rank of a launch: where the caller imports from (``sys.path``), its
+    main script when `fn` is defined there, and ``(fn, args)`` pickled on their own, so that a
+    rank sets the first two up before it unpickles `fn` by its module's name."""
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None) if fn.__module__ == "__main__" else None
+    payload = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+    write_pickle(os.path.join(workdir, JOB_FILE), (list(sys.path), script, payload))
+
+
+def read_job(workdir: str) -> tuple[Callable[..., Any], tuple]:
+    """``(fn, args)`` of `write_job`, with the caller's ``sys.path`` in place first and its main
+    script imported as `MAIN_SCRIPT_MODULE` (its ``if __name__ == "__main__"`` block does not
+    run) and taken for ``__main__`` where `fn` lives in it."""
+    with open(os.path.join(workdir, JOB_FILE), "rb") as f:
+        path, script, payload = pickle.load(f)
+    sys.path[:] = [*path, *(p for p in sys.path if p not in path)]
+    if script is not None:
+        spec = importlib.util.spec_from_file_location(MAIN_SCRIPT_MODULE, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[MAIN_SCRIPT_MODULE] = module
+        spec.loader.exec_module(module)
+        sys.modules["__main__"] = module
+    return pickle.loads(payload)
 
 
 class _RankSlot:
@@ -134,8 +159,7 @@ def worker(
     # Several ranks share few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     try:
-        with open(os.path.join(workdir, JOB_FILE), "rb") as f:
-            fn, args = pickle.load(f)
+        fn, args = read_job(workdir)
         if device == "cuda":
             # One rank per GPU, on one machine: the rank is the local rank. NCCL needs the
             # current device set before its first collective; the default device puts the
@@ -168,3 +192,10 @@ def worker(
             slot.report(False, None, traceback.format_exc())
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def main(argv: Sequence[str]) -> int:
+    """A rank's command line: ``WORKDIR RANK WORLD_SIZE INIT_METHOD TIMEOUT_S DEVICE``."""
+    workdir, rank, world_size, init_method, timeout_s, device = argv
+    worker(int(rank), int(world_size), init_method, float(timeout_s), workdir, device)
+    return 0

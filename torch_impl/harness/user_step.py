@@ -54,6 +54,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from crosscheck.launch import worker_processes
+from crosscheck.launch.worker_processes import write_atomically
 from torch_impl.batch import (
     BATCH_KEYS,
     OPTIONAL_KEYS,
@@ -64,7 +66,7 @@ from torch_impl.batch import (
 from torch_impl.fsdp import context_parallel_mesh
 from torch_impl.harness.jobs import BatchJob
 from torch_impl.harness.model_reference import ModelSetupError, fresh_model, load_callable
-from torch_impl.harness.rank_worker import finish_rank, write_atomic, write_pickle
+from torch_impl.harness.rank_worker import finish_rank, write_pickle
 from torch_impl.harness.step_gradient import StepResultError, gradient_dtypes, read_grads
 from torch_impl.model import BilinearLM
 from torch_impl.objective import ObjectiveLM
@@ -516,7 +518,9 @@ def _internal_dirs() -> tuple[str, ...]:
     paths = sysconfig.get_paths()
     # torch_impl as a whole: the reference's frames (update, schemes) are not the user's either.
     package = os.path.dirname(os.path.dirname(__file__))
-    dirs = {os.path.dirname(torch.__file__), package}
+    # And the process layer that started the rank (the zygote's frames sit below every rank's).
+    process_layer = os.path.dirname(worker_processes.__file__)
+    dirs = {os.path.dirname(torch.__file__), package, process_layer}
     dirs |= {paths["stdlib"], paths["platstdlib"]}
     return tuple(os.path.join(os.path.abspath(d), "") for d in dirs)
 
@@ -711,5 +715,5 @@ def agree_deadline(status_dir: str, rank: int, hard_deadline: float, budget_s: f
     dist.all_reduce(ready, op=dist.ReduceOp.MAX)
     start = float(ready.item())
     if rank == 0:
-        write_atomic(ready_path(status_dir), repr(start).encode())
+        write_atomically(ready_path(status_dir), repr(start).encode())
     return min(hard_deadline, start + budget_s)

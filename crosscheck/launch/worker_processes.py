@@ -1,77 +1,48 @@
-"""Start real worker processes, wait for them with every wait bounded, and leave none behind.
+"""Worker processes: start one, run a set of them with every wait bounded, and leave none behind.
+
+The one way the project starts a process that does work (a JAX worker, a ``jax.distributed``
+process, a torch rank): `start_worker` runs ``python -m MODULE ARGS`` forked from a zygote
+(`crosscheck.launch.zygote`) where one is given and alive, else as a fresh interpreter, always
+as the leader of a process group of its own, with its output in files, and registers the group
+with `crosscheck.launch.processes` (whose `terminate_all` stops it on an interrupt).
+`run_workers` runs a set of workers to their end.
 
 A multi-process collective hangs when one peer dies: the others wait for a message that never
-comes. So the launcher polls all processes, and as soon as one exits with an error, or the
+comes. So `run_workers` polls all processes, and as soon as one exits with an error, or the
 deadline passes, it kills the rest and raises with each process's exit status (a signal by
 name) and the tail of its stderr. Output goes to files, never to pipes, so a chatty worker
 cannot block on a full pipe buffer either; what a worker leaves for its launcher to read is
-written with `write_atomically`, so that it is never read half-written.
-
-Process groups. Every worker leads a process group of its own, with whatever it starts, kept in
-the registry of `jax_impl.harness.process_groups`. `run_workers` kills its own groups (SIGKILL)
-in a ``finally``, on every exit path: all workers done, one failed, the deadline, an exception
-or KeyboardInterrupt in the caller. So nothing a launch started outlives it, not even a child
-of a worker that exited 0; a killed group is waited for at most `KILL_WAIT_S`. `terminate_all`
-(exported from there) stops every registered group: for a signal handler or an interrupted
-caller (`crosscheck.launch.processes` calls it).
+written with `write_atomically`, so that it is never read half-written. `run_workers` kills
+its own groups (SIGKILL) in a ``finally``, on every exit path: all workers done, one failed,
+the deadline, an exception or KeyboardInterrupt in the caller. So nothing a launch started
+outlives it, not even a child of a worker that exited 0; a killed group is waited for at most
+`KILL_WAIT_S`. (The torch launcher, `torch_impl.harness.launcher`, starts its ranks with
+`start_worker` and waits for them itself: it reads each rank's report as it comes.)
 
 Port reservation. `reserve_port` holds a port for a jax.distributed coordinator from before
 the workers start until the launch ends, so that concurrent launches never pick the same one
 (see its docstring).
 
-This module must load without the jax_impl package (importing that imports JAX):
-`crosscheck.launch.workers.jax_launch` loads this file and `jax_impl.harness.process_groups`
-alone, under their own names, into processes that must not import JAX. So: the standard
-library and `jax_impl.harness.process_groups` only.
+The standard library only, like `crosscheck.launch.processes`: worker processes import it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from jax_impl.harness.process_groups import (
-    TERMINATE_KILL_WAIT_S as TERMINATE_KILL_WAIT_S,  # terminate_all's, exported with it
-)
-from jax_impl.harness.process_groups import GroupLeader, register_group, stop_groups
-from jax_impl.harness.process_groups import (
-    terminate_all as terminate_all,  # what crosscheck.launch.processes calls on a launcher
-)
-
-if TYPE_CHECKING:  # not at run time: this module must load without the jax_impl package
-    from jax_impl.harness.zygote import Zygote
+from crosscheck.launch.processes import GroupLeader, describe_status, register_group, stop_groups
+from crosscheck.launch.zygote import Zygote, ZygoteError
 
 POLL_INTERVAL_S = 0.05
-#: XLA flags for worker processes that compile many tiny programs, where compiling is most of
-#: the run: LLVM code generation at -O0, XLA:CPU's classic elemental emitters instead of the
-#: MLIR fusion emitters (0.4 s -> 0.2 s per harness program), and one LLVM module per program
-#: (splitting a module this small for parallel code generation costs more CPU than it saves:
-#: about 15% of the compile time). None changes XLA's HLO passes or floating-point semantics
-#: (no fast-math): results match the oracle to the harness tolerances, which the tests check.
-SMALL_PROGRAM_XLA_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-    "--xla_cpu_parallel_codegen_split_count=1"
-)
-#: jax.config settings for the in-process workers (eight fake devices in one process), set
-#: by each before it traces anything (`crosscheck.launch.workers.serve_job`): the GSPMD
-#: partitioner instead of Shardy. Their programs are shard_map, pmap (a shard_map in this
-#: jax) and global jit over a 1-D data mesh; Shardy's propagation passes were a fifth of XLA's
-#: compile time there (shard_map at R = 2: 6.8 s -> 5.5 s of compile per worker), and the
-#: results are bit-identical (every case of every in-process front-end at R = 1, 2, 4,
-#: compared bit for bit). Not for the `jax.distributed` processes: there GSPMD's programs
-#: compiled as fast but ran slower (the multi-process launches took 58 s instead of 40 s of
-#: wall on 2 cores). Not for a user's own step (`crosscheck verify`) either: that runs as its
-#: author configured it.
-SMALL_PROGRAM_JAX_CONFIG: tuple[tuple[str, bool], ...] = (("jax_use_shardy_partitioner", False),)
 #: How long `run_workers` waits for the groups it killed to be gone.
 KILL_WAIT_S = 10.0
 
@@ -162,7 +133,9 @@ def reserve_port() -> PortReservation:
 def write_atomically(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` under a temporary name, then rename it into place: a reader (a
     launcher, at any moment, even after a kill) sees the whole file or no file."""
-    tmp = Path(f"{path}.tmp")
+    # A name of this process and thread: two threads of one process (a torch rank's watcher
+    # and its main thread) never write the same temporary file.
+    tmp = Path(f"{path}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
 
@@ -170,17 +143,43 @@ def write_atomically(path: str | Path, data: bytes) -> None:
 # ---- running workers -------------------------------------------------------------------------
 
 
-def describe_status(returncode: int | None) -> str:
-    """An exit status in words: "exited with 3", "was killed by SIGKILL (signal 9)"."""
-    if returncode is None:
-        return "was still running (killed)"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "an unknown signal"
-        return f"was killed by {name} (signal {-returncode})"
-    return f"exited with {returncode}"
+def start_worker(
+    command: Sequence[str],
+    *,
+    stdout: Path,
+    stderr: Path,
+    env: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+    zygote: Zygote | None = None,
+) -> GroupLeader:
+    """Start `command` as the leader of a process group of its own, its output in `stdout` and
+    `stderr`, and register the group (`crosscheck.launch.processes.register_group`).
+
+    A command of the form ``[sys.executable, "-m", MODULE, *ARGS]`` is forked from `zygote`
+    where one is given and alive (a zygote that fails to fork is a slower start, not an
+    error); anything else, or without a zygote, is a fresh process. The caller stops the group
+    (`crosscheck.launch.processes.stop_groups`) when it is done with the worker.
+    """
+    environment = dict(os.environ if env is None else env)
+    child: GroupLeader | None = None
+    if zygote is not None and zygote.alive and list(command[:2]) == [sys.executable, "-m"]:
+        with contextlib.suppress(ZygoteError):
+            child = zygote.spawn(
+                command[2], command[3:], env=environment, cwd=cwd, stdout=stdout, stderr=stderr
+            )
+    if child is None:
+        with stdout.open("wb") as out, stderr.open("wb") as err:
+            child = subprocess.Popen(
+                list(command),
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=environment,
+                cwd=cwd,
+                start_new_session=True,  # its own group: killing it kills its children
+            )
+    register_group(child)
+    return child
 
 
 def _describe(
@@ -216,9 +215,8 @@ def run_workers(
     ``timeout_s + POLL_INTERVAL_S + kill_wait_s`` after the call (a SIGKILL lands in
     milliseconds; `kill_wait_s` bounds a process the kernel is slow to take down). On every
     exit path each worker's process group, with whatever the worker started, is killed before
-    this returns. With a `zygote`, commands of the form ``[sys.executable, "-m", MODULE,
-    *ARGS]`` are forked from it (`jax_impl.harness.zygote`) instead of started afresh; the rest is
-    the same.
+    this returns. Each worker starts through `start_worker`, forked from `zygote` where it
+    can be; the rest is the same.
     """
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -231,29 +229,9 @@ def run_workers(
         for index, command in enumerate(commands):
             out_path, err_path = log_dir / f"worker{index}.out", log_dir / f"worker{index}.err"
             paths.append((out_path, err_path))
-            child: GroupLeader | None = None
-            if zygote is not None and zygote.alive and list(command[:2]) == [sys.executable, "-m"]:
-                with contextlib.suppress(zygote.Error):  # a failed zygote is a slower start
-                    child = zygote.spawn(
-                        command[2],
-                        command[3:],
-                        env=dict(os.environ if env is None else env),
-                        cwd=cwd,
-                        stdout=out_path,
-                        stderr=err_path,
-                    )
-            if child is None:
-                with out_path.open("wb") as out, err_path.open("wb") as err:
-                    child = subprocess.Popen(
-                        list(command),
-                        stdout=out,
-                        stderr=err,
-                        stdin=subprocess.DEVNULL,
-                        env=dict(os.environ if env is None else env),
-                        cwd=cwd,
-                        start_new_session=True,  # its own group: killing it kills its children
-                    )
-            register_group(child)
+            child = start_worker(
+                command, stdout=out_path, stderr=err_path, env=env, cwd=cwd, zygote=zygote
+            )
             processes.append(child)
             forked.append(not isinstance(child, subprocess.Popen))
         while True:

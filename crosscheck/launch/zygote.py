@@ -1,20 +1,24 @@
-"""A zygote: one process imports JAX once, then forks a worker for every ``python -m`` command.
+"""A zygote: one process imports a framework once, then forks a worker for every ``python -m``
+command. The one fork server of the project: JAX workers and torch ranks alike come from one.
 
 Importing jax, optax and orbax costs a worker process about 1.3 s of CPU before it does
-anything; a harness run starts a dozen workers. The zygote (``python -m
-jax_impl.harness.zygote_server MODULE...``) imports the given modules once and stays
-single-threaded; for each request it forks a child that takes the request's environment,
-working directory and output files and runs the module as ``__main__`` with the request's
-arguments. Differences from a fresh ``python -m MODULE``: the modules the zygote imported are
-already imported; ``sys.argv[0]`` is the module's name; ``sys.path`` and whatever a module
-reads from the environment at import time come from the zygote's environment (so it is
-started with the workers'); and the child ends with ``os._exit`` after flushing its output, so
-atexit handlers do not run (the workers shut down what they start themselves).
+anything, importing torch with what DDP and FSDP2 load on first use about 2.5 s; a harness
+run starts dozens of workers. The zygote (``python -m crosscheck.launch.zygote_server
+MODULE...``) imports the given modules once and stays single-threaded; for each request it
+forks a child that takes the request's environment, working directory and output files and
+runs the module as ``__main__`` with the request's arguments. Differences from a fresh
+``python -m MODULE``: the modules the zygote imported are already imported; ``sys.argv[0]`` is
+the module's name; ``sys.path`` and whatever a module reads from the environment at import
+time come from the zygote's environment (so it is started with the workers'); and the child
+ends with ``os._exit`` after flushing its output, so atexit handlers do not run (the workers
+shut down what they start themselves).
 
 That is sound for JAX because importing jax creates no backend: XLA_FLAGS (the fake device
-count, compile flags) and ``jax.config`` updates made by the worker take effect in the child.
-Forking is unsafe in a process that runs threads, so the zygote refuses to serve if an import
-started one (OpenBLAS does unless OPENBLAS_NUM_THREADS=1).
+count, compile flags) and ``jax.config`` updates made by the worker take effect in the child;
+and for torch because importing it starts no thread with one OpenMP thread
+(``OMP_NUM_THREADS=1`` in the zygote's environment) and creates no process group. Forking is
+unsafe in a process that runs threads, so the zygote refuses to serve if an import started one
+(OpenBLAS does unless OPENBLAS_NUM_THREADS=1).
 
 Protocol: the client writes one JSON request per line to the zygote's stdin (an id, module,
 args, env, cwd, stdout, stderr and status paths); the zygote answers one JSON line with the
@@ -22,25 +26,29 @@ same id and the child's pid, or an error. When a child exits, the zygote writes 
 to the request's status file (atomically) before reaping it, so the pid cannot be reused
 while the client may still signal it. A closed stdin stops the zygote.
 
-This module is the client side (`Zygote`, which `jax_impl.harness.launch.run_workers` asks for
-workers); the zygote process itself is `jax_impl.harness.zygote_server`.
+This module is the client side (`Zygote`; `shared_zygote` keeps one per preload list and
+process, which `crosscheck.launch.worker_processes.start_worker` asks for workers); the zygote
+process itself is `crosscheck.launch.zygote_server`.
 
 Process groups: the zygote is started in a session of its own, and every child it forks leads
 a process group of its own (``setsid`` in the child, ``setpgid`` in the zygote too, so the group
-exists before the client learns the pid): `jax_impl.harness.launch` kills a worker's group, with
-whatever the worker started, and the zygote's group is registered with
-`jax_impl.harness.process_groups`, so that its `terminate_all` stops the zygote too.
+exists before the client learns the pid): a launch kills a worker's group, with whatever the
+worker started, and the zygote's group is registered with `crosscheck.launch.processes` as a
+server, so that its `terminate_all` stops the zygote too, after its workers.
 
 Where it runs: only where the platform has what it uses (`unavailable` says why not): ``fork``,
 ``os.waitid`` with ``P_ALL``, ``WNOHANG``, ``WEXITED`` and ``WNOWAIT`` (macOS has no
 ``os.waitid``), ``setsid``, ``setpgid`` and ``killpg``; and not when the environment variable
-``GRADWEIGHT_NO_FORK_SERVERS`` is set to anything but "" or "0" (a switch meant for every fork
-server of the project). Where it does not run, the client refuses to start one (`ZygoteError`)
-and the harness starts plain processes instead: slower, not different.
+``GRADWEIGHT_NO_FORK_SERVERS`` is set to anything but "" or "0". Where it does not run, no
+zygote starts (`ZygoteError`; `shared_zygote` returns None) and the launches start plain
+processes instead: slower, not different.
+
+The standard library only, like `crosscheck.launch.processes`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -48,12 +56,13 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from jax_impl.harness import process_groups
+from crosscheck.launch import processes
 
 #: Seconds the client waits for the zygote to answer a request (a fork takes milliseconds).
 REPLY_TIMEOUT_S = 30.0
@@ -157,10 +166,6 @@ def _pid_alive(pid: int) -> bool:
 class Zygote:
     """The client side: start the zygote, ask it for workers, stop it. Thread-safe."""
 
-    #: What `spawn` raises, reachable from an instance by code that must not import this
-    #: module (`jax_impl.harness.launch` loads without the jax_impl package, which imports JAX).
-    Error = ZygoteError
-
     def __init__(
         self, preload: Sequence[str], env: Mapping[str, str], log_path: str | Path
     ) -> None:
@@ -171,14 +176,14 @@ class Zygote:
         self._log_path = Path(log_path)
         with self._log_path.open("ab") as log:  # the child keeps its own copy of the fd
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "jax_impl.harness.zygote_server", *preload],
+                [sys.executable, "-m", "crosscheck.launch.zygote_server", *preload],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 env=dict(env),
                 start_new_session=True,  # a group of its own, like every worker
             )
-        process_groups.register_group(self._process, server=True)
+        processes.register_group(self._process, server=True)
         self._reply_buffer = b""
         self._next_id = 0
         try:
@@ -266,7 +271,7 @@ class Zygote:
 
     def close(self) -> None:
         """Stop the zygote, within 15 s. Its running children are not its to stop: each is
-        killed, with its process group, by the `run_workers` that asked for it."""
+        killed, with its process group, by the launch that asked for it."""
         with contextlib.suppress(OSError):
             if self._process.stdin is not None:
                 self._process.stdin.close()
@@ -276,7 +281,47 @@ class Zygote:
             self._process.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._process.wait(timeout=5.0)
-        process_groups.stop_groups([self._process], wait_s=5.0)  # forgets it once it is gone
+        processes.stop_groups([self._process], wait_s=5.0)  # forgets it once it is gone
         with contextlib.suppress(OSError):
             if self._log_path.stat().st_size == 0:  # nothing went wrong: leave nothing behind
                 self._log_path.unlink()
+
+
+#: How many zygotes one process may start for one preload list: one, and a replacement when
+#: it was stopped (by `crosscheck.launch.processes.terminate_all` after an interrupt, or a
+#: crash); not one per launch.
+MAX_ZYGOTE_STARTS = 5
+_shared_lock = threading.Lock()
+#: preload list -> (the zygote or None, how many were started).
+_shared: dict[tuple[str, ...], tuple[Zygote | None, int]] = {}
+
+
+def shared_zygote(preload: Sequence[str], env: Mapping[str, str]) -> Zygote | None:
+    """This process's zygote for `preload`, started on first use with `env`; None where none
+    may run.
+
+    None, and the caller starts plain processes (slower, not different), when `unavailable`
+    says so (checked on every call), or when a zygote refused to serve or failed to start. A
+    zygote that has exited since (stopped on an interrupt) is replaced, up to
+    `MAX_ZYGOTE_STARTS` starts per preload list and process. The zygote keeps `env` of its
+    start for what modules read at import; each worker gets the environment of its request.
+    """
+    if unavailable():
+        return None
+    key = tuple(preload)
+    with _shared_lock:
+        zygote, starts = _shared.get(key, (None, 0))
+        if zygote is not None and zygote.alive:
+            return zygote
+        if starts >= MAX_ZYGOTE_STARTS:
+            return None
+        name = key[0].split(".")[0] if key else "none"
+        log = Path(tempfile.gettempdir()) / f"gradweight-zygote-{name}-{os.getpid()}.log"
+        try:
+            zygote = Zygote(key, env, log)
+        except Exception:  # any failure to start means: no zygote, plain processes
+            _shared[key] = (None, MAX_ZYGOTE_STARTS)  # one that failed to start would again
+            return None
+        _shared[key] = (zygote, starts + 1)
+        atexit.register(zygote.close)
+        return zygote

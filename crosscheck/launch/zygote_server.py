@@ -1,10 +1,10 @@
-"""The zygote process: import JAX once, then fork a worker for every request on stdin.
+"""The zygote process: import a framework once, then fork a worker for every request on stdin.
 
-``python -m jax_impl.harness.zygote_server MODULE...`` imports the given modules, checks that
+``python -m crosscheck.launch.zygote_server MODULE...`` imports the given modules, checks that
 it is still single-threaded (fork is unsafe otherwise), says it is ready, and for each JSON
 request line forks a child that becomes ``python -m MODULE ARGS`` with the request's
 environment, working directory and output files. The protocol, and what differs from a fresh
-process, are described with the client, `jax_impl.harness.zygote`.
+process, are described with the client, `crosscheck.launch.zygote`.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import select
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Sequence
 
-from jax_impl.harness.launch import write_atomically
-from jax_impl.harness.zygote import REAP_INTERVAL_S, platform_unsupported
+from crosscheck.launch.worker_processes import write_atomically
+from crosscheck.launch.zygote import REAP_INTERVAL_S, platform_unsupported
 
 
 def _write(line: dict) -> None:
@@ -52,6 +53,14 @@ def _child(request: dict) -> None:
         if request["cwd"]:
             os.chdir(request["cwd"])
         sys.argv = [request["module"], *request["args"]]
+        # The zygote imported the module on purpose (its preload); runpy warns that it runs a
+        # second copy as __main__, which a worker's ``if __name__ == "__main__"`` block expects
+        # (it calls into the imported module).
+        warnings.filterwarnings(
+            "ignore",
+            message=".*found in sys.modules after import of package",
+            category=RuntimeWarning,
+        )
         try:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
             code = 0
