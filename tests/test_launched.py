@@ -300,6 +300,30 @@ def test_auto_takes_the_gpus_only_when_there_is_one_per_rank() -> None:
         resolve_torch_device("cuda", 1, gpus=0)
 
 
+def test_counting_gpus_imports_torch_only_where_a_gpu_could_be() -> None:
+    """Without a GPU's device files torch sees none: the count is 0 and this process pays no
+    import of torch for it; with one, the count is torch's own."""
+    code = (
+        "import os, sys\n"
+        "from crosscheck.launch.devices import GPU_DEVICE_FILES, visible_gpus\n"
+        "count = visible_gpus()\n"
+        "files = any(map(os.path.exists, GPU_DEVICE_FILES))\n"
+        "print(count, files, 'torch' in sys.modules)\n"
+        "if files:\n"
+        "    import torch\n"
+        "    assert count == (torch.cuda.device_count() if torch.cuda.is_available() else 0)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr
+    count, files, imported = proc.stdout.split()
+    if files == "False":
+        assert (count, imported) == ("0", "False")
+    else:
+        assert imported == "True"
+
+
 def test_the_launcher_reads_the_device_the_run_sets() -> None:
     from crosscheck.launch import devices
     from torch_impl.harness import launcher

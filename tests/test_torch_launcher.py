@@ -169,3 +169,71 @@ def test_a_function_of_the_calling_script_runs_on_every_rank_and_its_output_reac
     lines = proc.stdout.splitlines()
     assert lines[:2] == ["rank 0 says hi", "rank 1 says hi"], proc.stdout
     assert lines[2] == "['hi-0-__mp_main__', 'hi-1-__mp_main__']", proc.stdout
+
+
+#: A module that notes every process importing it, and a function to launch from it.
+PRELOAD_PROBE = """
+import os
+
+VERSION = {version}
+with open(os.path.join(os.path.dirname(__file__), "imports.txt"), "a") as log:
+    log.write(f"{{os.getpid()}}\\n")
+
+
+def where(rank, world_size):
+    return os.getpid(), VERSION
+"""
+
+
+def _importers(folder) -> list[int]:
+    """Every process but this one that imported the probe, in order."""
+    lines = (folder / "imports.txt").read_text().split()
+    return [int(pid) for pid in lines if int(pid) != os.getpid()]
+
+
+def test_preloading_imports_the_users_module_once_for_every_rank_and_afresh_per_block(
+    tmp_path, monkeypatch
+):
+    from torch_impl.harness.launcher import preloading
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "preload_probe.py").write_text(PRELOAD_PROBE.format(version=1))
+    import preload_probe
+
+    with preloading(["preload_probe"], timeout_s=60) as zygote:
+        assert zygote is not None
+        ranks = launch(preload_probe.where, 2, timeout_s=120)
+        again = launch(preload_probe.where, 2, timeout_s=120)
+    # One import, by the zygote, for the four ranks of two launches.
+    assert _importers(tmp_path) == [zygote.pid]
+    assert {pid for pid, _ in ranks + again}.isdisjoint({zygote.pid})
+    assert [version for _, version in ranks + again] == [1] * 4
+    assert not zygote.alive  # closed with its block
+
+    # Edited between two blocks: the next block's zygote imports the new text.
+    (tmp_path / "preload_probe.py").write_text(PRELOAD_PROBE.format(version=2))
+    with preloading(["preload_probe"], timeout_s=60):
+        assert [version for _, version in launch(preload_probe.where, 2)] == [2, 2]
+    # Outside a block each rank imports it itself, as before.
+    (tmp_path / "imports.txt").write_text("")
+    assert [version for _, version in launch(preload_probe.where, 2)] == [2, 2]
+    assert len(_importers(tmp_path)) == 2
+
+
+def test_preloading_a_module_that_cannot_be_imported_leaves_the_error_to_the_ranks(
+    tmp_path, monkeypatch
+):
+    from torch_impl.harness.launcher import preloading
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "broken_probe.py").write_text("raise ImportError('broken at import')\n")
+    with preloading(["broken_probe"], timeout_s=60) as zygote:
+        assert zygote is None  # no zygote of its own: the ranks fork from the usual one
+        with pytest.raises(RankFailedError, match="broken at import"):
+            launch(_imports_broken_probe, 2, timeout_s=120)
+
+
+def _imports_broken_probe(rank: int, world_size: int) -> None:
+    import broken_probe  # noqa: F401

@@ -22,7 +22,7 @@ such candidates with a note rather than predict them wrongly.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -104,6 +104,9 @@ class GroupBasis:
     matrix: np.ndarray
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     groups: np.ndarray
+    #: `dead_leaves` of this basis, found once here: every comparison of a diagnosis asks
+    #: (a few dozen per case), and each would scan all of B [K, P] again.
+    dead: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.shapes]
@@ -120,13 +123,13 @@ class GroupBasis:
                 f"GroupBasis.groups has shape {self.groups.shape}: expected "
                 f"({self.matrix.shape[0]}, 2), one (row, segment) per row of the matrix"
             )
+        object.__setattr__(self, "dead", dead_leaves(self))
 
     def live(self, tree: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """`tree` without the parameters the loss gives no gradient (`dead_leaves`): the
         worst-leaf error is taken over the others. A step that puts weight there anyway leaves
         the span of the basis, and the fit's residual shows it."""
-        dead = set(dead_leaves(self))
-        return {name: value for name, value in tree.items() if name not in dead}
+        return {name: value for name, value in tree.items() if name not in self.dead}
 
     def check(
         self,
@@ -237,7 +240,7 @@ def predictable(
             f"not judged: {', '.join(dict.fromkeys(unscaled))} (some parameters scaled apart "
             "from the others, which a group basis cannot predict)"
         )
-    dead = dead_leaves(basis)
+    dead = basis.dead
     if dead:
         notes.append(
             f"the loss gives no gradient to {', '.join(dead[:5])}"

@@ -53,7 +53,9 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,8 @@ from crosscheck.launch import processes
 
 #: Seconds the client waits for the zygote to answer a request (a fork takes milliseconds).
 REPLY_TIMEOUT_S = 30.0
+#: The zygote process's module (``python -m``).
+SERVER_MODULE = "crosscheck.launch.zygote_server"
 #: Set to anything but "" or "0", no fork server is used: plain processes instead.
 NO_FORK_SERVERS_ENV = "GRADWEIGHT_NO_FORK_SERVERS"
 #: What the zygote needs of `os`: fork, the non-reaping wait of `_reap`, and process groups.
@@ -164,36 +168,119 @@ def _pid_alive(pid: int) -> bool:
 
 
 class Zygote:
-    """The client side: start the zygote, ask it for workers, stop it. Thread-safe."""
+    """The client side: start the zygote, ask it for workers, stop it. Thread-safe.
+
+    Started as a process of its own (`Zygote(preload, env, log)`), it talks over that process's
+    stdin and stdout; forked from another zygote (`forked`), over a Unix socket."""
 
     def __init__(
-        self, preload: Sequence[str], env: Mapping[str, str], log_path: str | Path
+        self,
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        log_path: str | Path,
+        *,
+        _parent: Zygote | None = None,
+        _sys_path: Sequence[str] = (),
+        _ready_timeout_s: float = REPLY_TIMEOUT_S,
     ) -> None:
         why_not = unavailable()
         if why_not:
             raise ZygoteError(f"no zygote: {why_not}")
         self._lock = threading.Lock()
         self._log_path = Path(log_path)
-        with self._log_path.open("ab") as log:  # the child keeps its own copy of the fd
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "crosscheck.launch.zygote_server", *preload],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=dict(env),
-                start_new_session=True,  # a group of its own, like every worker
-            )
-        processes.register_group(self._process, server=True)
         self._reply_buffer = b""
         self._next_id = 0
+        self._channel: socket.socket | None = None
+        self._folder: str | None = None
+        if _parent is None:
+            with self._log_path.open("ab") as log:  # the child keeps its own copy of the fd
+                self._process: processes.GroupLeader = subprocess.Popen(
+                    [sys.executable, "-m", SERVER_MODULE, *preload],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env=dict(env),
+                    start_new_session=True,  # a group of its own, like every worker
+                )
+            self._send_fd = self._process.stdin.fileno()  # type: ignore[attr-defined]
+            self._reply_fd = self._process.stdout.fileno()  # type: ignore[attr-defined]
+        else:
+            try:
+                self._process = self._fork_from(_parent, preload, env, _sys_path, _ready_timeout_s)
+            except BaseException:
+                shutil.rmtree(self._folder or "", ignore_errors=True)
+                raise
+        processes.register_group(self._process, server=True)
         try:
-            ready = self._read_reply()
+            ready = self._read_reply(_ready_timeout_s)
         except Exception as error:
             self.close()
             raise ZygoteError(f"the zygote did not start: {error}") from error
         if ready.get("ready") is not True:
             self.close()
             raise ZygoteError(f"the zygote refused to serve: {ready.get('error', ready)}")
+
+    @classmethod
+    def forked(
+        cls,
+        parent: Zygote,
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        log_path: str | Path,
+        *,
+        sys_path: Sequence[str] = (),
+        ready_timeout_s: float = REPLY_TIMEOUT_S,
+    ) -> Zygote:
+        """A zygote forked from `parent` that imports `preload` too, with `sys_path` in front of
+        the parent's: what the parent imported costs it nothing, so a caller's own modules (a
+        user's step, which imports transformers, say) are imported once for all the workers
+        of a run instead of once by each. Closed by the caller when the run ends (a module of
+        the caller's may change between runs); ZygoteError when it cannot start (the module
+        cannot be imported, starts a thread, or takes longer than `ready_timeout_s`)."""
+        return cls(
+            preload,
+            env,
+            log_path,
+            _parent=parent,
+            _sys_path=sys_path,
+            _ready_timeout_s=ready_timeout_s,
+        )
+
+    def _fork_from(
+        self,
+        parent: Zygote,
+        preload: Sequence[str],
+        env: Mapping[str, str],
+        sys_path: Sequence[str],
+        timeout_s: float,
+    ) -> processes.GroupLeader:
+        """Ask `parent` for a zygote process that connects back to a socket of this client's."""
+        self._folder = tempfile.mkdtemp(prefix="gradweight-zygote-")
+        address = os.path.join(self._folder, "channel")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address)
+            listener.listen(1)
+            args = ["--connect", address, "--path", json.dumps(list(sys_path)), *preload]
+            child = parent.spawn(
+                SERVER_MODULE,
+                args,
+                env=env,
+                cwd=None,
+                stdout=Path(self._folder, "out"),
+                stderr=Path(self._folder, "err"),
+            )
+            listener.settimeout(timeout_s)
+            try:
+                self._channel, _ = listener.accept()
+            except OSError as error:  # it died or hung before it connected
+                child.kill()
+                raise ZygoteError(f"the forked zygote did not connect: {error}") from error
+        finally:
+            listener.close()
+        self._channel.settimeout(None)
+        self._send_fd = self._reply_fd = self._channel.fileno()
+        return child
 
     @property
     def alive(self) -> bool:
@@ -229,14 +316,12 @@ class Zygote:
         }
         with self._lock:
             if not self.alive:
-                raise ZygoteError(f"the zygote exited with {self._process.returncode}")
+                raise ZygoteError(f"the zygote exited with {self._process.poll()}")
             self._next_id += 1
             request["id"] = self._next_id
-            assert self._process.stdin is not None
             try:
-                self._process.stdin.write(json.dumps(request).encode() + b"\n")
-                self._process.stdin.flush()
-                reply = self._read_reply()
+                self._send(json.dumps(request).encode() + b"\n")
+                reply = self._read_reply(REPLY_TIMEOUT_S)
             except (OSError, ValueError, ZygoteError) as error:
                 # A reply that never came may still come later and be taken for the next
                 # request's: a zygote that lost step is stopped, not reused.
@@ -251,15 +336,19 @@ class Zygote:
             raise ZygoteError(f"the zygote could not start {module}: {reply.get('error', reply)}")
         return ZygoteChild(int(reply["pid"]), status, self)
 
-    def _read_reply(self) -> dict:
-        """One JSON line from the zygote, within REPLY_TIMEOUT_S."""
-        assert self._process.stdout is not None
-        fd = self._process.stdout.fileno()
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
+    def _send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._send_fd, view) :]
+
+    def _read_reply(self, timeout_s: float) -> dict:
+        """One JSON line from the zygote, within `timeout_s`."""
+        fd = self._reply_fd
+        deadline = time.monotonic() + timeout_s
         while b"\n" not in self._reply_buffer:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ZygoteError(f"no answer from the zygote within {REPLY_TIMEOUT_S:g} s")
+                raise ZygoteError(f"no answer from the zygote within {timeout_s:g} s")
             readable, _, _ = select.select([fd], [], [], left)
             if readable:
                 chunk = os.read(fd, 65536)
@@ -273,15 +362,24 @@ class Zygote:
         """Stop the zygote, within 15 s. Its running children are not its to stop: each is
         killed, with its process group, by the launch that asked for it."""
         with contextlib.suppress(OSError):
-            if self._process.stdin is not None:
-                self._process.stdin.close()
+            if self._channel is not None:
+                self._channel.close()  # end of its requests: it exits
+            else:
+                self._process.stdin.close()  # type: ignore[attr-defined]
         try:
-            self._process.wait(timeout=5.0)
+            self._process.wait(timeout=5.0)  # type: ignore[attr-defined]
         except subprocess.TimeoutExpired:
-            self._process.kill()
+            self._process.kill()  # type: ignore[attr-defined]
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout=5.0)
+                self._process.wait(timeout=5.0)  # type: ignore[attr-defined]
         processes.stop_groups([self._process], wait_s=5.0)  # forgets it once it is gone
+        if self._folder is not None:
+            with contextlib.suppress(OSError):  # what it said, kept where the caller looks
+                said = Path(self._folder, "err").read_bytes()
+                if said:
+                    with self._log_path.open("ab") as log:
+                        log.write(said)
+            shutil.rmtree(self._folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             if self._log_path.stat().st_size == 0:  # nothing went wrong: leave nothing behind
                 self._log_path.unlink()

@@ -15,6 +15,7 @@ import json
 import os
 import runpy
 import select
+import socket
 import sys
 import threading
 import traceback
@@ -105,8 +106,12 @@ def serve(preload: Sequence[str]) -> int:
     if why_not:  # the client checks too; a zygote started anyway must not fail its first job
         _write({"ready": False, "error": why_not})
         return 3
-    for module in preload:
-        importlib.import_module(module)
+    try:
+        for module in preload:
+            importlib.import_module(module)
+    except BaseException as error:  # a module that cannot be imported: no zygote, plain workers
+        _write({"ready": False, "error": f"importing {module}: {type(error).__name__}: {error}"})
+        return 3
     threads = _thread_count()
     if threads != 1:
         _write({"ready": False, "error": f"{threads} threads after the imports; fork is unsafe"})
@@ -144,5 +149,35 @@ def serve(preload: Sequence[str]) -> int:
     return 0
 
 
+def main(argv: Sequence[str]) -> int:
+    """``[--connect SOCKET] [--path JSON] MODULE...``: serve after importing the modules.
+
+    A zygote started by its client as a process of its own talks over its stdin and stdout.
+    One forked from another zygote (`crosscheck.launch.zygote.Zygote.forked`) has its stdio
+    in files, so it talks over the Unix socket `--connect` names instead (the client listens
+    there), and imports with the client's ``sys.path`` (`--path`, a JSON list) in front of
+    its own: the modules it preloads are the client's (a user's step module).
+    """
+    args = list(argv)
+    connect = path = None
+    while args and args[0] in ("--connect", "--path"):
+        flag, value, args = args[0], args[1], args[2:]
+        if flag == "--connect":
+            connect = value
+        else:
+            path = value
+    if path is not None:
+        wanted = [entry for entry in json.loads(path) if entry not in sys.path]
+        sys.path[:0] = wanted
+    if connect is not None:
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        channel.connect(connect)
+        fd = channel.detach()
+        os.dup2(fd, 0)
+        os.dup2(fd, 1)
+        os.close(fd)
+    return serve(args)
+
+
 if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

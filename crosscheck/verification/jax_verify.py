@@ -28,7 +28,7 @@ from pathlib import Path
 
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.worker_processes import run_workers
-from crosscheck.launch.workers import jax_worker_env
+from crosscheck.launch.workers import jax_worker_env, worker_zygote
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
 
 WORKER_MODULE = "crosscheck.verification.jax_verify_worker"
@@ -188,6 +188,7 @@ def run(
                 cwd=cwd,
                 kill_wait_s=KILL_WAIT_S,
                 independent=True,
+                zygote=worker_zygote(),
             )
         except Exception as error:  # LaunchError: killed at the deadline, or died on its own
             failure = error

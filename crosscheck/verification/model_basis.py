@@ -119,7 +119,7 @@ def _run_jax(request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gradweight-model-reference-") as tmp:
         # "dtype": float64 turns x64 on in the worker (crosscheck.launch.workers.serve_job).
         job = {"dtype": "float64", "request": request}
-        return run_jax_job(JAX_WORKER, job, Path(tmp), timeout_s=timeout_s, use_zygote=False)
+        return run_jax_job(JAX_WORKER, job, Path(tmp), timeout_s=timeout_s)
 
 
 def run_reference(

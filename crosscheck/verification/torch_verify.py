@@ -35,11 +35,13 @@ Time: `timeout_s` bounds the whole run of the step, all jobs of every world size
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -228,6 +230,15 @@ def _run_world(
                 results[job] = StepError(f"{job.describe()}: not run: {stopped}")
             return results, stopped
     return results, ""
+
+
+def preloading(modules: Sequence[str], *, timeout_s: float) -> contextlib.AbstractContextManager:
+    """`torch_impl.harness.launcher.preloading`: within the block, the ranks of this thread's
+    launches fork from a zygote that imported `modules` (the user's step and model modules)
+    once, instead of each rank importing them."""
+    from torch_impl.harness.launcher import preloading as launcher_preloading
+
+    return launcher_preloading(modules, timeout_s=timeout_s)
 
 
 def run(

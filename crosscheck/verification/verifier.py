@@ -27,6 +27,7 @@ the report: no step of the path turns it back into a name, so ``Constant(C)`` ke
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -322,41 +323,44 @@ def verify(
         if problem:
             raise DeviceError(problem)
         place = {"platform": platform}
-    reference, model_name = None, ""
-    if model is not None:
-        if run_jobs is not None:
-            raise ValueError(
-                "--model runs its reference in a process of its own, which a launcher's job "
-                "does not start: run `verify --model` without torchrun or a multi-host start"
-            )
-        model_name = step_name(model)
-        forward_name = "" if forward is None else step_name(forward)
-        for option, callable_name in (("--model", model_name), ("--forward", forward_name)):
-            if callable_name:
-                check = min(timeout_s, STEP_CHECK_TIMEOUT_S)
-                check_step(callable_name, framework, timeout_s=check, option=option)
-        if terms is not None:  # the model's own per-term gradients
-            reference = objective_model_reference(
-                framework, model_name, forward_name, jobs, terms, timeout_s=timeout_s
-            )
+    # torch: every rank of this verification (and the model's reference) forks from a zygote
+    # that imported the user's modules once, instead of each rank importing them.
+    with _preloading(framework, run_jobs, [name, model, forward], timeout_s):
+        reference, model_name = None, ""
+        if model is not None:
+            if run_jobs is not None:
+                raise ValueError(
+                    "--model runs its reference in a process of its own, which a launcher's job "
+                    "does not start: run `verify --model` without torchrun or a multi-host start"
+                )
+            model_name = step_name(model)
+            forward_name = "" if forward is None else step_name(forward)
+            for option, callable_name in (("--model", model_name), ("--forward", forward_name)):
+                if callable_name:
+                    check = min(timeout_s, STEP_CHECK_TIMEOUT_S)
+                    check_step(callable_name, framework, timeout_s=check, option=option)
+            if terms is not None:  # the model's own per-term gradients
+                reference = objective_model_reference(
+                    framework, model_name, forward_name, jobs, terms, timeout_s=timeout_s
+                )
+            else:
+                reference = model_reference(
+                    framework, model_name, forward_name, jobs, intended, timeout_s=timeout_s
+                )
+            if coarsest_level((dtype, reference.dtype)) != dtype:
+                # The model's forward refuses float64: the step gets it in the reference's dtype
+                # (it could not run it in float64 either), and is judged at that level.
+                jobs = [replace(job, dtype=reference.dtype) for job in jobs]
+                if terms is None:
+                    reference = reference.at_dtype(reference.dtype)
+        elif forward is not None:
+            raise ValueError("forward is how the reference runs the user's model: give model too")
+        if run_jobs is not None:  # inside a launcher's job, which placed this process itself
+            outputs = run_jobs(name, jobs)
         else:
-            reference = model_reference(
-                framework, model_name, forward_name, jobs, intended, timeout_s=timeout_s
-            )
-        if coarsest_level((dtype, reference.dtype)) != dtype:
-            # The model's forward refuses float64: the step gets it in the reference's dtype
-            # (it could not run it in float64 either), and is judged at that level.
-            jobs = [replace(job, dtype=reference.dtype) for job in jobs]
-            if terms is None:
-                reference = reference.at_dtype(reference.dtype)
-    elif forward is not None:
-        raise ValueError("forward is how the reference runs the user's model: give model too")
-    if run_jobs is not None:  # inside a launcher's job, which placed this process itself
-        outputs = run_jobs(name, jobs)
-    else:
-        runner = importlib.import_module(FRAMEWORKS[framework])
-        extra = {"model": model_name} if model_name else {}
-        outputs = runner.run(name, jobs, timeout_s=timeout_s, **place, **extra)
+            runner = importlib.import_module(FRAMEWORKS[framework])
+            extra = {"model": model_name} if model_name else {}
+            outputs = runner.run(name, jobs, timeout_s=timeout_s, **place, **extra)
     if terms is not None:
         columns = None if reference is None else reference.columns
         return ObjectiveReport(
@@ -395,6 +399,19 @@ def verify(
         model_dtype="float64" if reference is None else reference.dtype,
         model_refused="" if reference is None else reference.refused,
     )
+
+
+def _preloading(
+    framework: str, run_jobs: Any, callables: Sequence[str | Callable | None], timeout_s: float
+) -> contextlib.AbstractContextManager:
+    """`torch_verify.preloading` of the modules of `callables` (the step, the model, its
+    forward) for a torch verification that starts its own ranks; nothing otherwise."""
+    if framework != "torch" or run_jobs is not None:
+        return contextlib.nullcontext()
+    from crosscheck.verification.torch_verify import preloading
+
+    modules = [step_name(c).partition(":")[0] for c in callables if c is not None]
+    return preloading(modules, timeout_s=min(timeout_s, STEP_CHECK_TIMEOUT_S))
 
 
 def _context_problem(
