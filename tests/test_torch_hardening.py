@@ -207,6 +207,44 @@ def test_what_a_hanging_step_started_is_gone_when_the_run_returns(hung_run) -> N
     assert marked(marker) == []
 
 
+# --- A step module whose import hangs -----------------------------------------------------------
+
+
+def test_a_step_module_whose_import_hangs_ends_within_the_timeout_plus_the_grace(
+    tmp_path, monkeypatch
+) -> None:
+    """`verify` first forks a zygote that imports the step's module for every rank; an import
+    that hangs is given up on (a quarter of --timeout), the ranks import it themselves and hang
+    there, and the run still ends within the stated bound, counted from before that zygote,
+    with nothing left running."""
+    import crosscheck
+
+    marker = f"600.{secrets.randbelow(10**12):012d}"
+    (tmp_path / "slow_import_step.py").write_text(
+        "import subprocess, time\n"
+        f"subprocess.Popen(['sleep', '{marker}'])\n"
+        "time.sleep(600)\n\n\n"
+        "def step(model, microbatches):\n    pass\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    timeout_s = 4.0
+    start = time.monotonic()
+    report = crosscheck.verify(
+        "slow_import_step:step",
+        framework="torch",
+        scheme="token_mean",
+        fixtures=["packed"],
+        world_sizes=[1],
+        accum_steps=[1],
+        timeout_s=timeout_s,
+    )
+    elapsed = time.monotonic() - start
+    assert not report.ok
+    assert "did not finish within 4 s" in report.message(), report.message()
+    assert elapsed <= timeout_s + torch_verify.GRACE_S, f"took {elapsed:.1f} s"
+    assert marked(marker) == []
+
+
 # --- A step that raises on rank 1 only --------------------------------------------------------
 
 

@@ -214,6 +214,7 @@ class Zygote:
         try:
             ready = self._read_reply(_ready_timeout_s)
         except Exception as error:
+            self._process.kill()  # it may still be importing: not worth a graceful wait
             self.close()
             raise ZygoteError(f"the zygote did not start: {error}") from error
         if ready.get("ready") is not True:

@@ -134,8 +134,11 @@ class _RunClock:
     budget_s: float
 
     @classmethod
-    def start(cls, timeout_s: float) -> _RunClock:
-        return cls(timeout_s, time.monotonic() + timeout_s + STARTUP_GRACE_S, timeout_s)
+    def start(cls, timeout_s: float, startup_spent_s: float = 0.0) -> _RunClock:
+        """The clock of a run starting now, whose ranks' start-up already took
+        `startup_spent_s` of STARTUP_GRACE_S (`preloading`)."""
+        allowance = max(0.0, STARTUP_GRACE_S - startup_spent_s)
+        return cls(timeout_s, time.monotonic() + timeout_s + allowance, timeout_s)
 
     def limit(self) -> str:
         return f"{self.timeout_s:g} s (the time limit of the whole run, --timeout)"
@@ -248,6 +251,7 @@ def run(
     timeout_s: float = 120.0,
     device: str = "cpu",
     model: str = "",
+    startup_spent_s: float = 0.0,
 ) -> dict[VerifyJob, VerifyOutput | StepError]:
     """Every job's synchronized gradient under the user's step, or the StepError it met.
 
@@ -259,10 +263,12 @@ def run(
     `device` is ``"cpu"`` (gloo) or ``"cuda"`` (one GPU per rank, NCCL), resolved by the
     caller (`crosscheck.launch.devices.resolve_torch_device`). `model` is ``MODULE:FACTORY``
     of the user's own model (``verify --model``), or "" for the analytic one.
+    `startup_spent_s`: how much of the start-up allowance (STARTUP_GRACE_S) the caller already
+    used starting the ranks' zygote (`preloading`), so that the bound holds from its start.
     """
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    clock = _RunClock.start(timeout_s)
+    clock = _RunClock.start(timeout_s, startup_spent_s)
     results: dict[VerifyJob, VerifyOutput | StepError] = {}
     by_world: dict[int, list[VerifyJob]] = {}
     spec_problem = _spec_problem(step)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
@@ -324,8 +325,12 @@ def verify(
             raise DeviceError(problem)
         place = {"platform": platform}
     # torch: every rank of this verification (and the model's reference) forks from a zygote
-    # that imported the user's modules once, instead of each rank importing them.
+    # that imported the user's modules once, instead of each rank importing them. Starting it
+    # is the ranks' start-up, which the run's start-up allowance covers (`startup_spent_s`).
+    preload_started = time.monotonic()
     with _preloading(framework, run_jobs, [name, model, forward], timeout_s):
+        if framework == "torch":
+            place["startup_spent_s"] = time.monotonic() - preload_started
         reference, model_name = None, ""
         if model is not None:
             if run_jobs is not None:
@@ -401,6 +406,14 @@ def verify(
     )
 
 
+#: How long a torch verification waits for the zygote that imports the user's modules for its
+#: ranks: at most a quarter of --timeout and 15 s (transformers' models take 1.4 s). Past it
+#: the ranks import the modules themselves, as without the zygote, and an import that hangs is
+#: reported by the run, which has its whole time limit still: the wait adds at most this much.
+PRELOAD_SHARE = 0.25
+PRELOAD_WAIT_S = 15.0
+
+
 def _preloading(
     framework: str, run_jobs: Any, callables: Sequence[str | Callable | None], timeout_s: float
 ) -> contextlib.AbstractContextManager:
@@ -411,7 +424,7 @@ def _preloading(
     from crosscheck.verification.torch_verify import preloading
 
     modules = [step_name(c).partition(":")[0] for c in callables if c is not None]
-    return preloading(modules, timeout_s=min(timeout_s, STEP_CHECK_TIMEOUT_S))
+    return preloading(modules, timeout_s=min(timeout_s * PRELOAD_SHARE, PRELOAD_WAIT_S))
 
 
 def _context_problem(
