@@ -275,7 +275,7 @@ class Zygote:
             try:
                 self._channel, _ = listener.accept()
             except OSError as error:  # it died or hung before it connected
-                child.kill()
+                processes.stop_groups([child], wait_s=5.0)  # with whatever it started
                 raise ZygoteError(f"the forked zygote did not connect: {error}") from error
         finally:
             listener.close()
