@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crosscheck.bench.config import BenchConfig
-from crosscheck.launch.worker_processes import LaunchError, run_workers
+from crosscheck.launch.worker_processes import LaunchError, process_env, run_workers
 from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS
 from crosscheck.run.implementations import not_installed
 
@@ -111,10 +111,7 @@ def jax_env(config: BenchConfig) -> dict[str, str]:
         env["JAX_PLATFORMS"] = platform
     else:
         env.pop("JAX_PLATFORMS", None)  # the default backend: a GPU where there is one
-    env.setdefault("OMP_NUM_THREADS", "1")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
+    return process_env(env)
 
 
 def run_jax(config: BenchConfig) -> FrameworkRun:

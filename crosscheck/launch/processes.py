@@ -108,6 +108,21 @@ def generation() -> int:
     return _generation
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie does not (init may never reap an orphan of a zygote)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):  # no /proc (macOS), or it exited meanwhile
+        return True
+
+
 def _process_table() -> dict[int, tuple[bytes, int, int]] | None:
     """pid -> (state, parent, process group) of every process on the machine, or None where
     /proc cannot tell."""
@@ -229,16 +244,12 @@ class _Orphan:
     def poll(self) -> int | None:
         """None while the process runs; not ours to reap, so its exit status is unknown (-1)
         once it is gone or a zombie (what is left in its group `_alive` reads from /proc)."""
-        table = _process_table()
-        if table is None:
-            return None
-        entry = table.get(self.pid)
-        return None if entry is not None and entry[0] not in (b"Z", b"X") else -1
+        return None if pid_alive(self.pid) else -1
 
 
 def _unregistered_children(servers: Sequence[GroupLeader], known: set[int]) -> list[_Orphan]:
-    """The live children of `servers` (Linux) that are not in `known`: a worker forked while
-    its launch was being interrupted, before the launch learned its pid."""
+    """The live children of `servers` (Linux) that are not in `known` (the registered groups):
+    a worker forked while its launch was being interrupted, before the launch learned its pid."""
     table = _process_table() or {}
     pids = {server.pid for server in servers}
     return [
@@ -271,7 +282,8 @@ def terminate_all(grace_s: float = GRACE_S) -> int:
         workers = [leader for leader, server in entries if not server]
         servers = [leader for leader, server in entries if server]
         signalled += stop_groups(workers, grace_s=grace_s, wait_s=TERMINATE_KILL_WAIT_S)
-        orphans = _unregistered_children(servers, {leader.pid for leader in workers})
+        # A zygote forked from another is registered (a server), not an orphan of its parent.
+        orphans = _unregistered_children(servers, {leader.pid for leader, _ in entries})
         signalled += stop_groups(orphans, grace_s=grace_s, wait_s=TERMINATE_KILL_WAIT_S)
         signalled += stop_groups(servers, grace_s=grace_s, wait_s=TERMINATE_KILL_WAIT_S)
     except Exception:  # a signal handler's last resort must not fail the way out

@@ -42,6 +42,8 @@ from pathlib import Path
 from crosscheck.launch.processes import GroupLeader, describe_status, register_group, stop_groups
 from crosscheck.launch.zygote import Zygote, ZygoteError
 
+#: The repository, first on a worker's PYTHONPATH (`process_env`).
+_ROOT = Path(__file__).resolve().parents[2]
 POLL_INTERVAL_S = 0.05
 #: How long `run_workers` waits for the groups it killed to be gone.
 KILL_WAIT_S = 10.0
@@ -141,6 +143,17 @@ def write_atomically(path: str | Path, data: bytes) -> None:
 
 
 # ---- running workers -------------------------------------------------------------------------
+
+
+def process_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What every worker's environment holds, whatever the framework: `base` (this process's
+    environment when None), one OpenMP thread unless set (several workers share few cores, and
+    a zygote must import its framework without starting a thread), and this repository first
+    on ``PYTHONPATH`` (a fresh interpreter imports the harness from it)."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def start_worker(

@@ -23,7 +23,6 @@ JAX are imported only when something is launched, never at import.
 
 from __future__ import annotations
 
-import os
 import pickle
 import sys
 import tempfile
@@ -37,13 +36,12 @@ from crosscheck.contract.fixture import PARAM_KEYS
 from crosscheck.contract.layout import Layout
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.devices import chosen_platform, jax_platform_env
-from crosscheck.launch.worker_processes import run_workers, write_atomically
+from crosscheck.launch.worker_processes import process_env, run_workers, write_atomically
 from crosscheck.launch.zygote import Zygote, shared_zygote
 
 Item = TypeVar("Item")
 Judged = TypeVar("Judged")
 
-_ROOT = Path(__file__).resolve().parents[2]
 
 # ---- every framework ---------------------------------------------------------------------------
 
@@ -96,11 +94,9 @@ def jax_worker_env(platform: str | None = None) -> dict[str, str]:
     first on ``PYTHONPATH``. Imports no JAX. On another `platform` than
     the CPU (None: `crosscheck.launch.devices.chosen_platform`, which ``crosscheck run
     --platform`` sets), that platform's devices instead of the fake CPU ones."""
-    env = dict(os.environ)
+    env = process_env()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 {SMALL_PROGRAM_XLA_FLAGS}"
     env["JAX_PLATFORMS"] = "cpu"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
     return jax_platform_env(platform or chosen_platform(), env)
 
 

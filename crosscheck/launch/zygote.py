@@ -128,7 +128,7 @@ class ZygoteChild:
         if self.returncode is None and not self._zygote.alive:
             # The zygote may have written the status just before it exited: read once more.
             self.returncode = self._read_status()
-            if self.returncode is None and not _pid_alive(self.pid):
+            if self.returncode is None and not processes.pid_alive(self.pid):
                 self.returncode = 255  # reaped by init after the zygote died: status unknown
         return self.returncode
 
@@ -150,21 +150,6 @@ class ZygoteChild:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
             time.sleep(REAP_INTERVAL_S)
         return self.returncode  # type: ignore[return-value]
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether `pid` runs; a zombie does not (init may never reap an orphan of the zygote)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] not in (b"Z", b"X")
-    except (OSError, IndexError):  # no /proc (macOS), or it exited meanwhile
-        return True
 
 
 class Zygote:

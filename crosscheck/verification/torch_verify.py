@@ -35,13 +35,11 @@ Time: `timeout_s` bounds the whole run of the step, all jobs of every world size
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -136,7 +134,7 @@ class _RunClock:
     @classmethod
     def start(cls, timeout_s: float, startup_spent_s: float = 0.0) -> _RunClock:
         """The clock of a run starting now, whose ranks' start-up already took
-        `startup_spent_s` of STARTUP_GRACE_S (`preloading`)."""
+        `startup_spent_s` of STARTUP_GRACE_S (`torch_impl.harness.launcher.preloading`)."""
         allowance = max(0.0, STARTUP_GRACE_S - startup_spent_s)
         return cls(timeout_s, time.monotonic() + timeout_s + allowance, timeout_s)
 
@@ -235,15 +233,6 @@ def _run_world(
     return results, ""
 
 
-def preloading(modules: Sequence[str], *, timeout_s: float) -> contextlib.AbstractContextManager:
-    """`torch_impl.harness.launcher.preloading`: within the block, the ranks of this thread's
-    launches fork from a zygote that imported `modules` (the user's step and model modules)
-    once, instead of each rank importing them."""
-    from torch_impl.harness.launcher import preloading as launcher_preloading
-
-    return launcher_preloading(modules, timeout_s=timeout_s)
-
-
 def run(
     step: str,
     jobs: list[VerifyJob],
@@ -264,7 +253,8 @@ def run(
     caller (`crosscheck.launch.devices.resolve_torch_device`). `model` is ``MODULE:FACTORY``
     of the user's own model (``verify --model``), or "" for the analytic one.
     `startup_spent_s`: how much of the start-up allowance (STARTUP_GRACE_S) the caller already
-    used starting the ranks' zygote (`preloading`), so that the bound holds from its start.
+    used starting the ranks' zygote (`torch_impl.harness.launcher.preloading`), so that the
+    bound holds from its start.
     """
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")

@@ -409,7 +409,8 @@ def verify(
 #: How long a torch verification waits for the zygote that imports the user's modules for its
 #: ranks: at most a quarter of --timeout and 15 s (transformers' models take 1.4 s). Past it
 #: the ranks import the modules themselves, as without the zygote, and an import that hangs is
-#: reported by the run, which has its whole time limit still: the wait adds at most this much.
+#: reported by the run; the wait is taken from the run's start-up allowance
+#: (`torch_verify.run`'s `startup_spent_s`), so the run's bound holds from before it.
 PRELOAD_SHARE = 0.25
 PRELOAD_WAIT_S = 15.0
 
@@ -417,11 +418,12 @@ PRELOAD_WAIT_S = 15.0
 def _preloading(
     framework: str, run_jobs: Any, callables: Sequence[str | Callable | None], timeout_s: float
 ) -> contextlib.AbstractContextManager:
-    """`torch_verify.preloading` of the modules of `callables` (the step, the model, its
-    forward) for a torch verification that starts its own ranks; nothing otherwise."""
+    """`torch_impl.harness.launcher.preloading` of the modules of `callables` (the step, the
+    model, its forward) for a torch verification that starts its own ranks; nothing
+    otherwise. torch is imported here only then, as by the torch runner."""
     if framework != "torch" or run_jobs is not None:
         return contextlib.nullcontext()
-    from crosscheck.verification.torch_verify import preloading
+    from torch_impl.harness.launcher import preloading
 
     modules = [step_name(c).partition(":")[0] for c in callables if c is not None]
     return preloading(modules, timeout_s=min(timeout_s * PRELOAD_SHARE, PRELOAD_WAIT_S))

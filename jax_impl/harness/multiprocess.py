@@ -58,6 +58,7 @@ import numpy as np
 from crosscheck.launch.worker_processes import (
     LaunchError,
     PortReservation,
+    process_env,
     reserve_port,
     run_workers,
 )
@@ -94,10 +95,7 @@ def worker_env(
     count = f"--xla_force_host_platform_device_count={devices_per_process}"
     env["XLA_FLAGS"] = " ".join([*flags.split(), count])
     env["JAX_PLATFORMS"] = "cpu"
-    env.setdefault("OMP_NUM_THREADS", "1")
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    return env
+    return process_env(env)
 
 
 def _port_taken(error: LaunchError, log_dir: Path) -> bool:

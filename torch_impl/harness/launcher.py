@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from crosscheck.launch import processes
 from crosscheck.launch.processes import GroupLeader, describe_status
-from crosscheck.launch.worker_processes import start_worker
+from crosscheck.launch.worker_processes import process_env, start_worker
 from crosscheck.launch.zygote import Zygote, ZygoteError, shared_zygote, unavailable
 from torch_impl.harness import in_place, rank_worker
 from torch_impl.harness.rank_worker import finish_rank as finish_rank  # re-exported
@@ -79,7 +79,6 @@ FORK_SERVER_PRELOAD = (
 #: What each rank runs (``python -m``).
 RANK_MODULE = "torch_impl.harness.rank_main"
 ZYGOTE, FRESH = "zygote", "fresh"
-_ROOT = Path(__file__).resolve().parents[2]
 #: After every rank's group was signalled, how long it may take to be gone.
 _KILL_WAIT_S = 2.0
 #: After a rank reported a peer's failure (a closed connection, a timed-out collective), how
@@ -207,13 +206,10 @@ def start_method(env: Mapping[str, str] | None = None) -> str:
 
 
 def rank_env() -> dict[str, str]:
-    """A rank's environment: this process's, with one OpenMP thread unless set (several ranks
-    share few cores, and the zygote must import torch without starting a thread) and this
-    repository first on ``PYTHONPATH`` (a fresh rank imports `torch_impl` from it)."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
+    """A rank's environment: this process's, as every worker gets it
+    (`crosscheck.launch.worker_processes.process_env`: one OpenMP thread unless set, this
+    repository first on ``PYTHONPATH``)."""
+    return process_env()
 
 
 def rank_zygote() -> Zygote | None:

@@ -35,7 +35,7 @@ from crosscheck.launch.worker_processes import write_atomically
 #: The job every rank reads (`write_job`).
 JOB_FILE = "job.pkl"
 #: The name the caller's main script is imported under in a rank, as multiprocessing does: a
-#: rank's own ``__main__`` is this module.
+#: rank's own ``__main__`` is `torch_impl.harness.rank_main`.
 MAIN_SCRIPT_MODULE = "__mp_main__"
 
 
