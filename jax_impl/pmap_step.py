@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import jax
 
+from jax_impl.accumulate import RankGradients
 from jax_impl.batch import Batch
 from jax_impl.devices import check_rank_axis, require_devices
 from jax_impl.update import (
@@ -29,9 +30,11 @@ from jax_impl.update import (
 
 
 def _on_rank0(x: jax.Array) -> jax.Array:
-    """Rank 0's copy of a replicated pmap output, on rank 0's device only: the optimizer step
-    then runs there, next to params committed to that device, not across all R devices."""
-    return x.addressable_data(0)[0]
+    """Rank 0's copy of a replicated pmap output (``out_axes=None``: every device holds the
+    whole value), on rank 0's device only: the optimizer step then runs there, next to params
+    committed to that device, not across all R devices. Picking a device's buffer is no
+    computation; slicing a stacked [R, ...] output was one eager op per leaf."""
+    return x.addressable_data(0)
 
 
 def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
@@ -39,7 +42,8 @@ def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
 
     All configs run side by side in one pmapped program: a harness comparing schemes and
     strategies compiles once per batch shape, not once per (shape, config). Replicated
-    outputs are taken from rank 0; per-rank metrics come back stacked to [R].
+    outputs (``out_axes=None``) are taken from rank 0's device; per-rank metrics come back
+    stacked to [R].
     """
     configs = check_sweep(configs)
     devices = require_devices(world_size)
@@ -48,7 +52,16 @@ def make_pmap_sweep(configs: Sequence[StepConfig], world_size: int) -> SweepFn:
     def per_rank(params, batch):
         return tuple(sweep_rank_gradients(configs, params, batch, axis))
 
-    mapped = jax.pmap(per_rank, axis_name=axis, in_axes=(None, 0), devices=devices)
+    # The reduced gradient, D and L are the same on every rank (unmapped outputs); the
+    # per-rank metrics are stacked to [R].
+    replicated = RankGradients(None, 0, 0, None, None)  # type: ignore[arg-type]
+    mapped = jax.pmap(
+        per_rank,
+        axis_name=axis,
+        in_axes=(None, 0),
+        out_axes=tuple(replicated for _ in configs),
+        devices=devices,
+    )
 
     def place(batch: Batch) -> Batch:
         check_rank_axis(batch, world_size, "pmap gradients")

@@ -55,3 +55,58 @@ def test_fsdp2_matches_oracle(world_size: int, divide_factor: float | None, dtyp
             assert abs(got.metrics.clipped_grad_norm - record.clipped_grad_norm) <= (
                 RTOL[dtype] * record.clipped_grad_norm
             )
+
+
+def _gathered_both_ways(rank: int, world_size: int, vocab_size: int, hidden_size: int):
+    """One rank: an FSDP2-sharded model's params and made-up gradients, made whole by
+    `numpy_full` (one all-gather for all four) and by FSDP2's own ``full_tensor`` each."""
+    import numpy as np
+    import torch
+
+    from torch_impl.fsdp import shard_fsdp2
+    from torch_impl.model import BilinearLM, local_grads, numpy_full
+
+    rng = np.random.default_rng(7)
+    params = {
+        "embed": rng.standard_normal((vocab_size, hidden_size)),
+        "unembed": rng.standard_normal((hidden_size, vocab_size)),
+    }
+    model = shard_fsdp2(BilinearLM.from_numpy(params), world_size=world_size)
+    for p in model.parameters():
+        # A gradient of the parameter's own placement, different on every row.
+        p.grad = p.detach() * 3.0 + 1.0
+    grads = local_grads(model)
+    ours = numpy_full(
+        {
+            **{f"grads.{k}": v for k, v in grads.items()},
+            **{name: p.detach() for name, p in model.named_parameters()},
+        }
+    )
+    theirs = {
+        name: p.detach().full_tensor().to(torch.float64).numpy()
+        for name, p in model.named_parameters()
+    }
+    theirs |= {f"grads.{k}": v.full_tensor().to(torch.float64).numpy() for k, v in grads.items()}
+    return ours, theirs, params
+
+
+@pytest.mark.parametrize(
+    "world_size, vocab_size, hidden_size",
+    # 10 rows over 3 ranks: shards of 4, 4 and 2 rows; 3 rows over 4 ranks: one rank holds
+    # none. Both are torch.chunk's uneven pieces, which the one-buffer gather must put back.
+    [(3, 10, 3), (4, 6, 3), (2, 40, 12)],
+)
+def test_one_gather_makes_fsdp2_tensors_whole_as_full_tensor_does(
+    world_size: int, vocab_size: int, hidden_size: int
+) -> None:
+    from torch_impl.harness.launcher import launch
+
+    per_rank = launch(_gathered_both_ways, world_size, (vocab_size, hidden_size), timeout_s=120)
+    for rank, (ours, theirs, params) in enumerate(per_rank):
+        assert sorted(ours) == sorted(theirs), f"rank {rank}"
+        for key, value in theirs.items():
+            # Bit for bit: both only move float64 values (no arithmetic on the way).
+            assert ours[key].shape == value.shape, f"rank {rank} {key}"
+            assert (ours[key] == value).all(), f"rank {rank} {key}"
+        for key, value in params.items():
+            assert (ours[key] == value).all(), f"rank {rank} {key} is not the loaded param"

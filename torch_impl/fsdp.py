@@ -6,7 +6,8 @@ precount needs s = 1; torchtitan's ``disable_fsdp_gradient_division`` does exact
 dividing by the global token count itself. Either way ``torch_impl.probe`` measures the factor.
 Accumulation uses ``set_requires_gradient_sync(False)`` on all but the last microbatch
 (``torch_impl.update.sync_context``). Parameters and gradients are DTensors sharded on dim 0;
-``torch_impl.model.numpy_params`` / ``numpy_grads`` all-gather them for comparison. The
+``torch_impl.model.numpy_full`` all-gathers them for comparison (one collective for every
+tensor of an update). The
 reduce-scatter runs in the params' dtype (bf16 params: bf16 on gloo); D never enters it
 (precount takes D from its own float64 count collective).
 """

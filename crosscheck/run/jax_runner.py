@@ -140,6 +140,11 @@ def _run_multiprocess(
 
     batches = sorted({(case.fixture, case.accum_steps) for case in cases})
     spec_names = sorted({case.scheme for case in cases if case.scheme not in V1_SCHEMES})
+
+    def label(scheme: str) -> str:
+        """A scheme's key in the launch's records: v1's by name, a trainer mode's spec<k>."""
+        return scheme if scheme in V1_SCHEMES else f"spec{spec_names.index(scheme)}"
+
     with tempfile.TemporaryDirectory(prefix="gradweight-jax-mp-") as tmp:
         work = Path(tmp)
         spec_cases = []
@@ -149,7 +154,10 @@ def _run_multiprocess(
             if fixture not in saved:
                 saved[fixture] = work / f"fixture-{len(saved)}.npz"
                 builtin_fixture(fixture).save(saved[fixture])
-            spec_cases.append({"fixture": str(saved[fixture]), "accum_steps": M})
+            labels = sorted(
+                {label(c.scheme) for c in cases if (c.fixture, c.accum_steps) == (fixture, M)}
+            )
+            spec_cases.append({"fixture": str(saved[fixture]), "accum_steps": M, "schemes": labels})
         spec = {
             "cases": spec_cases,
             "dtypes": [dtype],
@@ -187,10 +195,9 @@ def _run_multiprocess(
     for case in cases:
         index = batches.index((case.fixture, case.accum_steps))
         try:
-            label = (
-                case.scheme if case.scheme in V1_SCHEMES else f"spec{spec_names.index(case.scheme)}"
+            output = _multiprocess_output(
+                case, per_rank, index, settings.num_updates, label(case.scheme)
             )
-            output = _multiprocess_output(case, per_rank, index, settings.num_updates, label)
         except Exception as error:
             on_done(case, error)
         else:

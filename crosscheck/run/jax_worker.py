@@ -5,9 +5,10 @@ x64 is global in JAX and the fake-device count is fixed at import, so the in-pro
 for float64, off for float32 and bfloat16. The dtype is the params'; the soft weights are laid
 out in the denominator dtype (float64 under x64, else float32), never in bfloat16
 (`jax_impl.denominators`). Each
-front-end, world size and dtype builds one sweep, a single compiled program per batch shape
-computing every (scheme spec, strategy) of its cases side by side; every fixture and layout
-of that world size goes through it. Output is plain numpy, pickled, judged by the parent.
+front-end, world size and dtype builds one sweep per set of (scheme spec, strategy) its
+fixtures run (v1's eight names on v1's fixtures, the trainer modes on v2's), a single compiled
+program per batch shape computing those configs side by side; every fixture and layout of that
+world size goes through its set's sweep. Output is plain numpy, pickled, judged by the parent.
 """
 
 from __future__ import annotations
@@ -135,17 +136,47 @@ def _configs(impl: str, cases: Sequence[Case], settings: TrainSettings) -> tuple
 def run_group(
     impl: str, world_size: int, cases: Sequence[Case], settings: TrainSettings, dtype: str
 ) -> dict[Case, CaseOutput]:
-    """Every case of one front-end, world size and dtype through one compiled sweep.
+    """Every case of one front-end, world size and dtype, through one compiled sweep per set
+    of (scheme, strategy) that its fixtures run.
 
-    The sweep holds every (scheme spec, strategy) of the group side by side; the batches are
-    laid out with one id space (`num_groups`, `num_documents`, static in the program), so
-    that one program per batch shape serves every fixture."""
+    A sweep holds those configs side by side; the batches are laid out with one id space
+    (`num_groups`, `num_documents`, static in the program), so that one program per batch
+    shape serves every fixture of the sweep. v1's fixtures run v1's eight names and v2's the
+    trainer modes (`crosscheck.run.plan.Plan.pairs`): one sweep of both would trace, compile
+    and run every config of the other set on every fixture and throw it away."""
+    fixtures = {c.fixture: builtin_fixture(c.fixture) for c in cases}
+    space = id_space(list(fixtures))
+    wanted: dict[str, set[tuple[str, str]]] = {}
+    for case in cases:
+        wanted.setdefault(case.fixture, set()).add((case.scheme, case.strategy))
+    sweeps: dict[frozenset, list[str]] = {}
+    for fixture_name, keys in sorted(wanted.items()):
+        sweeps.setdefault(frozenset(keys), []).append(fixture_name)
+    results: dict[Case, CaseOutput] = {}
+    for names in sweeps.values():
+        members = [c for c in cases if c.fixture in names]
+        results.update(
+            _run_sweep(
+                impl, world_size, members, settings, dtype, {n: fixtures[n] for n in names}, space
+            )
+        )
+    return results
+
+
+def _run_sweep(
+    impl: str,
+    world_size: int,
+    cases: Sequence[Case],
+    settings: TrainSettings,
+    dtype: str,
+    fixtures: dict,
+    space: dict[str, int],
+) -> dict[Case, CaseOutput]:
+    """`cases` (every one a (scheme, strategy) of the sweep) through one sweep."""
     import jax_impl
 
     configs, keys = _configs(impl, cases, settings)
     sweep, place = placed_sweep(impl, configs, world_size)
-    fixtures = {c.fixture: builtin_fixture(c.fixture) for c in cases}
-    space = id_space(list(fixtures))
     results: dict[Case, CaseOutput] = {}
     for fixture_name, M in sorted({(c.fixture, c.accum_steps) for c in cases}):
         fixture = fixtures[fixture_name]

@@ -225,47 +225,59 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
     optimizer = _optimizer(spec["optimizer"])
     # Every scheme of the spec: the names (``schemes``, labelled by name) and the contract v2
     # specs (``scheme_specs``, their dicts, labelled ``spec<k>``), every variant of each side
-    # by side in one sweep: one compiled program per batch shape.
+    # by side in one sweep per set of labels the cases name: one compiled program per batch
+    # shape and set.
     schemes = [(name, name) for name in spec["schemes"]]
     schemes += [(f"spec{k}", s) for k, s in enumerate(spec.get("scheme_specs", []))]
-    configs, labels = [], []
-    for label, scheme in schemes:
-        for strategy, collective in spec["variants"]:
-            configs.append(
-                StepConfig(
-                    optimizer=optimizer,
-                    scheme=scheme,
-                    strategy=strategy,
-                    collective=collective,
-                    max_grad_norm=spec.get("max_grad_norm"),
-                )
-            )
-            labels.append(label)
-    sweep = make_shard_map_sweep(configs, mesh)
     records = [(device, {"rank": np.asarray(first_rank + i)}) for i, device in enumerate(devices)]
+    # A case may name the labels it needs (``"schemes"``): the cases that need the same ones
+    # share a sweep, so that no program computes a scheme its fixtures do not run.
+    sweeps: dict[tuple[str, ...], list[int]] = {}
     for case_index, case in enumerate(spec["cases"]):
-        with np.load(case["fixture"], allow_pickle=False) as archive:
-            arrays = {key: archive[key] for key in archive.files}
-        for dtype in spec["dtypes"]:
-            laid_out = lay_out_global_batch(
-                arrays,
-                mesh.size,
-                case["accum_steps"],
-                vocab_size=arrays["embed"].shape[0],
-                # Not the params' dtype: a bfloat16 weight is already rounded to 8 bits.
-                weights_dtype=np.dtype(denominator_dtype().name),
-                # One id space for every fixture of the launch (``spec_id_space``), so that
-                # they share the compiled program of their shape.
-                **spec.get("spec_id_space", {}),
-            )
-            # Each process places only its own rank's rows; the global array spans them all.
-            batch = shard_batch(rank_slice(laid_out, first_rank, len(devices)), mesh)
-            params = {key: arrays[key] for key in ("embed", "unembed")}
-            params0 = replicate(params_from_numpy(params, dtype), mesh)
-            _run_configs(
-                sweep, configs, labels, params0, batch, spec["num_updates"],
-                f"{case_index}/{dtype}", records, stall,
-            )  # fmt: skip
+        wanted = case.get("schemes")
+        key = tuple(label for label, _ in schemes if wanted is None or label in wanted)
+        sweeps.setdefault(key, []).append(case_index)
+    for wanted_labels, case_indices in sweeps.items():
+        configs, labels = [], []
+        for label, scheme in schemes:
+            if label not in wanted_labels:
+                continue
+            for strategy, collective in spec["variants"]:
+                configs.append(
+                    StepConfig(
+                        optimizer=optimizer,
+                        scheme=scheme,
+                        strategy=strategy,
+                        collective=collective,
+                        max_grad_norm=spec.get("max_grad_norm"),
+                    )
+                )
+                labels.append(label)
+        sweep = make_shard_map_sweep(configs, mesh)
+        for case_index in case_indices:
+            case = spec["cases"][case_index]
+            with np.load(case["fixture"], allow_pickle=False) as archive:
+                arrays = {key: archive[key] for key in archive.files}
+            for dtype in spec["dtypes"]:
+                laid_out = lay_out_global_batch(
+                    arrays,
+                    mesh.size,
+                    case["accum_steps"],
+                    vocab_size=arrays["embed"].shape[0],
+                    # Not the params' dtype: a bfloat16 weight is already rounded to 8 bits.
+                    weights_dtype=np.dtype(denominator_dtype().name),
+                    # One id space for every fixture of the launch (``spec_id_space``), so that
+                    # they share the compiled program of their shape.
+                    **spec.get("spec_id_space", {}),
+                )
+                # Each process places only its own rank's rows; the global array spans them.
+                batch = shard_batch(rank_slice(laid_out, first_rank, len(devices)), mesh)
+                params = {key: arrays[key] for key in ("embed", "unembed")}
+                params0 = replicate(params_from_numpy(params, dtype), mesh)
+                _run_configs(
+                    sweep, configs, labels, params0, batch, spec["num_updates"],
+                    f"{case_index}/{dtype}", records, stall,
+                )  # fmt: skip
     for _, results in records:
         results["shared_programs"] = np.asarray(shared_program_count())
     return [results for _, results in records]

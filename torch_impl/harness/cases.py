@@ -33,7 +33,7 @@ from torch_impl.checkpoint import save_checkpoint
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.harness.jobs import BatchJob
 from torch_impl.mean_loss import accumulate_mean_loss
-from torch_impl.model import BilinearLM, load_numpy_params, numpy_grads, numpy_params
+from torch_impl.model import BilinearLM, load_numpy_params, local_grads, numpy_full
 from torch_impl.optimizer_step import UpdateMetrics, clip_and_step, metrics
 from torch_impl.optimizers import OptimizerSpec, make_optimizer
 from torch_impl.partial import PartialAccumulation
@@ -280,8 +280,12 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
             mean_losses = accumulate_mean_loss(model, microbatches, vocab_size=vocab_size)
             accumulated = None
         partial = None
-        grads = numpy_grads(model)
+        # The gradient before clipping (which scales it in place), made whole with the params
+        # after the step: under FSDP2 one all-gather per update brings both.
+        grads = local_grads(model)
         norm, clipped = clip_and_step(model, optimizer, case.max_grad_norm)
+        params = {name.rsplit(".", 1)[-1]: p.detach() for name, p in model.named_parameters()}
+        whole = numpy_full({**{f"grads.{k}": v for k, v in grads.items()}, **params})
         record = None
         if accumulated is not None:
             record = metrics(
@@ -292,7 +296,14 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
                 grad_norm=norm,
                 clipped_grad_norm=clipped,
             )
-        output.updates.append(UpdateOutput(grads, numpy_params(model), record, tuple(mean_losses)))
+        output.updates.append(
+            UpdateOutput(
+                {key: whole[f"grads.{key}"] for key in grads},
+                {key: whole[key] for key in params},
+                record,
+                tuple(mean_losses),
+            )
+        )
     if case.save_to is not None:
         _stop_and_save(case, model, optimizer, microbatches, bounds, s, partial)
     return output
