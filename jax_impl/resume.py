@@ -87,6 +87,17 @@ def _microbatches(tree, start: int, stop: int):
     return jax.tree.map(lambda x: np.asarray(x)[:, start:stop], tree)
 
 
+@functools.cache
+def _window_accumulation(axis_name: str, devices: tuple[jax.Device, ...]):
+    """The rest of a window from the saved sums (`continue_accumulation` under pmap): no
+    collective, and it reads only a plan's a_t and scales, never the spec, so the loops of
+    every spec and strategy on the same devices share it and its compiled programs (one per
+    window shape) instead of compiling one each."""
+    return jax.pmap(
+        continue_accumulation, axis_name=axis_name, devices=devices, in_axes=(None, 0, 0, 0)
+    )
+
+
 def scheme_label(spec: SchemeSpec) -> str:
     """The spec as the checkpoint's metadata writes it: its JSON, keys sorted."""
     return json.dumps(spec.to_dict(), sort_keys=True)
@@ -107,8 +118,7 @@ class ResumableLoop:
         self.devices = require_devices(world_size)
         pmap = functools.partial(jax.pmap, axis_name=config.axis_name, devices=self.devices)
         self._plan = pmap(functools.partial(_window_plan, config=config))
-        # The rest of a window from the saved sums: no collective, so a plain pmap of the scan.
-        self._accumulate = pmap(continue_accumulation, in_axes=(None, 0, 0, 0))
+        self._accumulate = _window_accumulation(config.axis_name, tuple(self.devices))
         self._finish = pmap(functools.partial(_finish, config=config))
 
     def init(self, params: Params) -> TrainState:
@@ -172,10 +182,14 @@ class ResumableLoop:
                 "not the batch, scheme or layout it was taken on"
             )
         start = partial.done
-        part_plan = plan._replace(
+        # The accumulation reads a_t and the scales only: without the spec's own parts of D
+        # every spec hands it the same pytree, and one compiled program serves them all.
+        part_plan = RankPlan(
             token_weights=_microbatches(plan.token_weights, start, stop),
             grad_scale=_microbatches(plan.grad_scale, start, stop),
             loss_scale=_microbatches(plan.loss_scale, start, stop),
+            parts=None,  # type: ignore[arg-type]
+            denominator=None,  # type: ignore[arg-type]
         )
         sums = self._accumulate(
             params, _microbatches(batch, start, stop), part_plan,

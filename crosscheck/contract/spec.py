@@ -193,11 +193,13 @@ class SchemeSpec:
 
     def effective_weights(self, batch: LaidOutBatch) -> np.ndarray:
         """c_t = a_t / D_u(t) / K for every token, [R, M, B, T] float64 (0 where D_u = 0)."""
+        # One view of the batch for a_t and every D_u (its per-token arrays are most of the
+        # cost of an oracle step on these small batches).
         view = _BatchView(batch)
-        a = self.token_weights(batch)
+        a = self._token_weights(view)
         units = view.unit(self.scope)
         out = np.zeros(a.shape, dtype=np.float64)
-        denominators = self.unit_denominators(batch)
+        denominators = self._unit_denominators(view)
         for u, D in enumerate(denominators):
             if D != 0:
                 inside = units == u
@@ -206,14 +208,18 @@ class SchemeSpec:
 
     def unit_denominators(self, batch: LaidOutBatch) -> list[float]:
         """D_u of every unit of the scope: [D] for update, one per rank or per (rank, m)."""
-        view = _BatchView(batch)
+        return self._unit_denominators(_BatchView(batch))
+
+    def _unit_denominators(self, view: _BatchView) -> list[float]:
         units = view.unit(self.scope)
         count = {"update": 1, "rank": view.R, "microbatch": view.R * view.M}[self.scope]
         return [self._unit_denominator(view, units == u) for u in range(count)]
 
     def token_weights(self, batch: LaidOutBatch) -> np.ndarray:
         """a_t for every token, [R, M, B, T] float64."""
-        view = _BatchView(batch)
+        return self._token_weights(_BatchView(batch))
+
+    def _token_weights(self, view: _BatchView) -> np.ndarray:
         w = self.weight
         mask = view.mask(w.mask)
         a = mask.astype(np.float64)

@@ -33,6 +33,7 @@ from crosscheck.launch.workers import (
     serve_job,
     worker_zygote,
 )
+from crosscheck.run.jax_worker import id_space
 
 OnResumeDone = Callable[[ResumeCase, ResumeOutput | BaseException], None]
 
@@ -82,7 +83,13 @@ def run_resume(cases: list[ResumeCase], settings: TrainSettings, on_done: OnResu
             jobs[dtype] = work / f"job-{dtype}.pkl"
             jobs[dtype].write_bytes(
                 pickle.dumps(
-                    {"cases": group, "settings": settings, "dtype": dtype, "root": str(work)}
+                    {
+                        "cases": group,
+                        "settings": settings,
+                        "dtype": dtype,
+                        "root": str(work),
+                        "space": id_space([case.fixture for case in group]),
+                    }
                 )
             )
         results: dict[ResumeCase, dict] = {case: {} for case in runnable}
@@ -141,15 +148,20 @@ def _config(scheme: str, strategy: str, settings: TrainSettings, optimizer):
     )
 
 
-def _problem(fixture_name: str, R: int, M: int, dtype: str):
-    """(global batch, laid-out batch, initial params, fingerprint) of a fixture at (R, M)."""
+def _problem(fixture_name: str, R: int, M: int, dtype: str, space: dict[str, int]):
+    """(laid-out batch, initial params, fingerprint) of a fixture at (R, M), its ids laid
+    out in the job's id space (`space`, `crosscheck.run.jax_worker.id_space`): the number of
+    group and document ids is static in a compiled program, so fixtures of one shape share
+    the programs of a layout only when they share it."""
     import jax_impl
     from jax_impl.checkpoint import batch_fingerprint
 
     fixture = builtin_fixture(fixture_name)
     global_batch = {k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS}
     # The weights in the denominator dtype (the default), not the params' `dtype`.
-    laid_out = jax_impl.lay_out_global_batch(global_batch, R, M, vocab_size=fixture.vocab_size)
+    laid_out = jax_impl.lay_out_global_batch(
+        global_batch, R, M, vocab_size=fixture.vocab_size, **space
+    )
     params = jax_impl.params_from_numpy(fixture.params(), dtype)
     return laid_out, params, batch_fingerprint(global_batch)
 
@@ -165,7 +177,9 @@ def _checkpoint_dir(root: str, index: int) -> Path:
     return Path(root) / "checkpoints" / f"case-{index:04d}"
 
 
-def _baselines(cases: Sequence[ResumeCase], settings: TrainSettings, dtype: str) -> dict:
+def _baselines(
+    cases: Sequence[ResumeCase], settings: TrainSettings, dtype: str, space: dict[str, int]
+) -> dict:
     """Uninterrupted runs with the reference pmap step: per world size, every scheme and
     strategy of its cases side by side in one sweep."""
     import jax
@@ -186,7 +200,7 @@ def _baselines(cases: Sequence[ResumeCase], settings: TrainSettings, dtype: str)
             {(c.fixture, c.accum_steps, c.num_updates) for c in cases if c.world_size == R}
         )
         for fixture, M, n in runs:
-            batch, params0, _ = _problem(fixture, R, M, dtype)
+            batch, params0, _ = _problem(fixture, R, M, dtype, space)
             params0 = jax.device_put(params0, jax_impl.require_devices(R)[0])
             params = [params0] * len(configs)
             states = [jax_impl.init_opt_state(optimizer, params0)] * len(configs)
@@ -221,7 +235,7 @@ def _stop(case: ResumeCase, index: int, job: dict, loop_for) -> None:
 
     loop = loop_for(case.scheme, case.strategy, case.world_size, case.accum_steps)
     batch, params0, fingerprint = _problem(
-        case.fixture, case.world_size, case.accum_steps, job["dtype"]
+        case.fixture, case.world_size, case.accum_steps, job["dtype"], job["space"]
     )
     state = loop.run(
         loop.init(params0),
@@ -238,7 +252,7 @@ def _resume(case: ResumeCase, index: int, job: dict, loop_for) -> dict[str, np.n
 
     R, M = case.resume_world_size, case.resume_accum_steps
     loop = loop_for(case.scheme, case.strategy, R, M)
-    batch, params0, fingerprint = _problem(case.fixture, R, M, job["dtype"])
+    batch, params0, fingerprint = _problem(case.fixture, R, M, job["dtype"], job["space"])
     state = restore_train_state(_checkpoint_dir(job["root"], index), loop, params0, fingerprint)
     state = loop.run(state, batch, until_updates=case.num_updates)
     return _numpy(state.params)
@@ -253,7 +267,7 @@ def run_phase(phase: str, job: dict) -> dict[ResumeCase, object]:
     baselines: dict = {}
     if phase == "stop":
         try:
-            baselines = _baselines(cases, job["settings"], job["dtype"])
+            baselines = _baselines(cases, job["settings"], job["dtype"], job["space"])
         except Exception:
             results = {case: "baseline: " + traceback.format_exc(limit=8) for case in cases}
     for index, case in enumerate(cases):
