@@ -85,7 +85,7 @@ def clip_and_step(
     float64 gradients this is ``clip_grad_norm_``'s arithmetic, bit for bit.
     Returns (norm before clipping, norm after).
     """
-    norm = global_grad_norm(model)
+    norm = clipped = global_grad_norm(model)
     if max_grad_norm is not None:
         # Written as clip_grad_norm_ computes it (Tensor.__rtruediv__ is a reciprocal, then a
         # product), so float64 gradients are clipped bit for bit as torch clips them.
@@ -96,7 +96,10 @@ def clip_and_step(
                 for param in _parameters(model):
                     if param.grad is not None:
                         param.grad.mul_(factor)
-    clipped = global_grad_norm(model)
+            # Measured again, not derived: the norm of what the optimizer receives. An
+            # unclipped gradient is unchanged, and so is its norm (under FSDP2 the second
+            # norm would be a second collective of every update).
+            clipped = global_grad_norm(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm, clipped
