@@ -148,11 +148,11 @@ def _config(scheme: str, strategy: str, settings: TrainSettings, optimizer):
     )
 
 
-def _problem(fixture_name: str, R: int, M: int, dtype: str, space: dict[str, int]):
+def _problem(fixture_name: str, R: int, M: int, dtype: str, space: dict[str, int] | None = None):
     """(laid-out batch, initial params, fingerprint) of a fixture at (R, M), its ids laid
-    out in the job's id space (`space`, `crosscheck.run.jax_worker.id_space`): the number of
-    group and document ids is static in a compiled program, so fixtures of one shape share
-    the programs of a layout only when they share it."""
+    out in the job's id space (`space`, `crosscheck.run.jax_worker.id_space`; None: the
+    fixture's own): the number of group and document ids is static in a compiled program, so
+    fixtures of one shape share the programs of a layout only when they share it."""
     import jax_impl
     from jax_impl.checkpoint import batch_fingerprint
 
@@ -160,7 +160,7 @@ def _problem(fixture_name: str, R: int, M: int, dtype: str, space: dict[str, int
     global_batch = {k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS}
     # The weights in the denominator dtype (the default), not the params' `dtype`.
     laid_out = jax_impl.lay_out_global_batch(
-        global_batch, R, M, vocab_size=fixture.vocab_size, **space
+        global_batch, R, M, vocab_size=fixture.vocab_size, **(space or id_space([fixture_name]))
     )
     params = jax_impl.params_from_numpy(fixture.params(), dtype)
     return laid_out, params, batch_fingerprint(global_batch)
