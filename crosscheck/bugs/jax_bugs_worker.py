@@ -10,6 +10,7 @@ by (R, batch shape) and each group runs every pattern it needs in one compiled s
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import traceback
 from collections.abc import Sequence
@@ -53,6 +54,21 @@ def _prepare(run: BugRun, dtype: str):
     return params, batch, arrays.get("group_ids")
 
 
+def _share_id_space(prepared: dict, group: Sequence[BugRun]) -> None:
+    """Give the batches of `group` (one shape) one id space: the number of group and
+    document ids is static in a compiled program, so fixtures of one shape share a compile
+    only when they share it (each was laid out with its own largest ids + 1). A larger id
+    space adds ids no token holds: zero counts, never read."""
+    batches = [prepared[run][1] for run in group]
+    space = {
+        "num_groups": max(batch.num_groups for batch in batches),
+        "num_documents": max(batch.num_documents for batch in batches),
+    }
+    for run in group:
+        params, batch, group_ids = prepared[run]
+        prepared[run] = (params, dataclasses.replace(batch, **space), group_ids)
+
+
 def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
     """Every run of one dtype; a failure is recorded as its traceback, by run."""
     from jax_impl.harness.bugs_sweep import make_bug_sweep
@@ -77,6 +93,8 @@ def run_all(runs: Sequence[BugRun], dtype: str) -> Results:
     groups: dict[tuple, list[BugRun]] = {}
     for run, (_, batch, _) in prepared.items():
         groups.setdefault((run.world_size, np.shape(batch.targets)), []).append(run)
+    for group in groups.values():
+        _share_id_space(prepared, group)
     for (world_size, _), group in sorted(groups.items()):
         patterns = sorted({run.pattern for run in group})
         calls: dict[tuple[str, float], list[BugRun]] = {}

@@ -32,6 +32,7 @@ from crosscheck.launch.workers import (
     run_jax_job,
     serve_job,
 )
+from crosscheck.run.jax_worker import id_space
 
 WORKER_MODULE = "crosscheck.bugs.objective_steps"
 #: R = 4 with every pattern at one layout takes seconds; the bounds only catch a hang.
@@ -171,6 +172,9 @@ def jax_grads(runs: Sequence[ObjectiveBugRun]) -> dict[ObjectiveBugRun, Grads | 
 
     results: dict[ObjectiveBugRun, Grads | str] = {}
     programs: dict[tuple, Any] = {}
+    # One id space for every fixture (static in a compiled program): fixtures of one shape
+    # then share the program of their pattern and layout, as in the main worker.
+    space = id_space([run.fixture for run in runs])
     for run in runs:
         try:
             fixture = builtin_fixture(run.fixture)
@@ -180,7 +184,9 @@ def jax_grads(runs: Sequence[ObjectiveBugRun]) -> dict[ObjectiveBugRun, Grads | 
                 mesh = jax_impl.data_mesh(R)
                 programs[key] = make_objective_bug_fn(run.pattern, run.term_dicts, run.target, mesh)
             arrays = {k: np.asarray(getattr(fixture, k)) for k in BATCH_KEYS}
-            batch = jax_impl.lay_out_global_batch(arrays, R, M, vocab_size=fixture.vocab_size)
+            batch = jax_impl.lay_out_global_batch(
+                arrays, R, M, vocab_size=fixture.vocab_size, **space
+            )
             grads = programs[key](objective_params(fixture), batch)
             results[run] = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
         except Exception:  # this run fails by name with its traceback; the others still run
