@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax_matrix import RUNNER_XLA_FLAGS, smallest_multiprocess_spec
 
+from crosscheck import FLOAT64_RTOL, assert_tree_close
 from crosscheck.launch.worker_processes import LaunchError, run_workers
 from jax_impl.harness.multiprocess import launch_multiprocess
 
@@ -84,3 +85,47 @@ def test_processes_of_two_devices_give_the_ranks_of_one_device_processes(tmp_pat
         assert one.keys() == two.keys(), rank
         for key in one:
             np.testing.assert_array_equal(one[key], two[key], err_msg=f"rank {rank} {key}")
+
+
+def test_a_case_that_names_its_schemes_gets_those_alone_and_the_same_values(
+    tmp_path: Path,
+) -> None:
+    """A case of a launch's spec may name the schemes it needs (what `crosscheck run` passes:
+    v1's names for v1's fixtures, the trainer modes for v2's): it gets records for those
+    alone, equal (within float64 rounding) to those of a launch that computes every scheme for
+    every case; a name the spec does not hold fails the launch, naming it."""
+    spec = smallest_multiprocess_spec(
+        tmp_path, schemes=["token_mean", "sequence_mean"], dtypes=["float64"], x64=True
+    )
+    case = spec["cases"][0]
+    spec["cases"] = [{**case, "accum_steps": 2}, case]
+    every = launch_multiprocess(
+        spec, 2, tmp_path / "every", timeout_s=120, extra_xla_flags=RUNNER_XLA_FLAGS
+    )
+    spec["cases"] = [
+        {**case, "accum_steps": 2, "schemes": ["sequence_mean"]},
+        {**case, "schemes": ["token_mean"]},
+    ]
+    named = launch_multiprocess(
+        spec, 2, tmp_path / "named", timeout_s=120, extra_xla_flags=RUNNER_XLA_FLAGS
+    )
+    for rank, (all_of_them, some) in enumerate(zip(every, named, strict=True)):
+        kept = {key for key in some if key.split("/")[0] in ("0", "1")}
+        assert kept and all("/sequence_mean/" in k for k in kept if k.startswith("0/"))
+        assert all("/token_mean/" in k for k in kept if k.startswith("1/"))
+        assert {k.split("/")[0] for k in kept} == {"0", "1"}
+        # Within float64 rounding, as the matrix judges (relative to each leaf's largest
+        # entry), not bit for bit: a sweep runs its configs batched with vmap, and another
+        # number of configs may sum a reduction in another order
+        # (`jax_impl.update.sweep_rank_gradients`).
+        assert_tree_close(
+            {key: some[key] for key in kept},
+            {key: all_of_them[key] for key in kept},
+            FLOAT64_RTOL,
+            f"rank {rank}",
+        )
+    spec["cases"] = [{**case, "schemes": ["row_mean"]}]
+    with pytest.raises(LaunchError, match=r"spec case 0 names schemes \['row_mean'\]"):
+        launch_multiprocess(
+            spec, 2, tmp_path / "unknown", timeout_s=120, extra_xla_flags=RUNNER_XLA_FLAGS
+        )

@@ -233,9 +233,16 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
     # A case may name the labels it needs (``"schemes"``): the cases that need the same ones
     # share a sweep, so that no program computes a scheme its fixtures do not run.
     sweeps: dict[tuple[str, ...], list[int]] = {}
+    known = [label for label, _ in schemes]
     for case_index, case in enumerate(spec["cases"]):
         wanted = case.get("schemes")
-        key = tuple(label for label, _ in schemes if wanted is None or label in wanted)
+        unknown = sorted(set(wanted or ()) - set(known))
+        if unknown or wanted == []:
+            raise ValueError(
+                f"spec case {case_index} names schemes {unknown or wanted!r}: each must be one "
+                f"the spec holds ({', '.join(known)}), and at least one"
+            )
+        key = tuple(label for label in known if wanted is None or label in wanted)
         sweeps.setdefault(key, []).append(case_index)
     for wanted_labels, case_indices in sweeps.items():
         configs, labels = [], []
