@@ -171,7 +171,9 @@ def numpy_full(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     if sharded and _row_sharded(sharded):
         out = _gather_rows(sharded)
     else:
-        out = {key: _full(t).to("cpu", torch.float64).numpy() for key, t in sharded.items()}
+        out = {
+            key: _full(t.detach()).to("cpu", torch.float64).numpy() for key, t in sharded.items()
+        }
     for key, tensor in tensors.items():
         if key not in sharded:
             out[key] = tensor.detach().to("cpu", torch.float64).numpy().copy()
