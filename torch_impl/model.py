@@ -120,27 +120,24 @@ def _gather_rows(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     cores a 4-rank group waits for every peer at every collective."""
     import torch.distributed as dist
 
-    first = next(iter(tensors.values()))
-    mesh = first.device_mesh
+    mesh = next(iter(tensors.values())).device_mesh
     group, world_size = mesh.get_group(), mesh.size()
-    layout = []  # (key, global shape, rows per slot, elements per row)
+    layout = []  # (key, this rank's shard, global shape, rows per slot, elements per row)
     for key, tensor in tensors.items():
         rows = -(-int(tensor.shape[0]) // world_size)
         per_row = int(np.prod(tensor.shape[1:], dtype=np.int64))
-        local = tensor.to_local()
+        local = tensor.to_local().detach()
         if local.shape[0] > rows or tuple(local.shape[1:]) != tuple(tensor.shape[1:]):
             raise RuntimeError(
                 f"{key}: a local shard of shape {tuple(local.shape)} is not a torch.chunk "
                 f"piece of {tuple(tensor.shape)} over {world_size} ranks"
             )
-        layout.append((key, tuple(tensor.shape), rows, per_row))
+        layout.append((key, local, tuple(tensor.shape), rows, per_row))
     header = len(layout)
-    size = header + sum(rows * per_row for _, _, rows, per_row in layout)
-    device = first.to_local().device
-    mine = torch.zeros(size, dtype=torch.float64, device=device)
+    size = header + sum(rows * per_row for *_, rows, per_row in layout)
+    mine = torch.zeros(size, dtype=torch.float64, device=layout[0][1].device)
     at = header
-    for index, (key, _, rows, per_row) in enumerate(layout):
-        local = tensors[key].to_local().detach()
+    for index, (_, local, _, rows, per_row) in enumerate(layout):
         mine[index] = local.shape[0]
         mine[at : at + local.numel()] = local.reshape(-1).to(torch.float64)
         at += rows * per_row
@@ -149,7 +146,7 @@ def _gather_rows(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     gathered = [piece.cpu().numpy() for piece in pieces]
     out: dict[str, np.ndarray] = {}
     at = header
-    for index, (key, shape, rows, per_row) in enumerate(layout):
+    for index, (key, _, shape, rows, per_row) in enumerate(layout):
         parts = [
             piece[at : at + int(piece[index]) * per_row].reshape(-1, *shape[1:])
             for piece in gathered
@@ -191,11 +188,15 @@ def local_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def local_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters as this rank holds them (a shard under FSDP2), detached, keyed by the
+    oracle's names: made whole by `numpy_full`."""
+    return {name.rsplit(".", 1)[-1]: p.detach() for name, p in module.named_parameters()}
+
+
 def numpy_params(module: nn.Module) -> dict[str, np.ndarray]:
     """float64 numpy copies of the parameters, keyed by the oracle's names (all ranks call)."""
-    return numpy_full(
-        {name.rsplit(".", 1)[-1]: p.detach() for name, p in module.named_parameters()}
-    )
+    return numpy_full(local_params(module))
 
 
 def numpy_grads(module: nn.Module) -> dict[str, np.ndarray]:

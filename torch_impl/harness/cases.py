@@ -33,7 +33,13 @@ from torch_impl.checkpoint import save_checkpoint
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.harness.jobs import BatchJob
 from torch_impl.mean_loss import accumulate_mean_loss
-from torch_impl.model import BilinearLM, load_numpy_params, local_grads, numpy_full
+from torch_impl.model import (
+    BilinearLM,
+    load_numpy_params,
+    local_grads,
+    local_params,
+    numpy_full,
+)
 from torch_impl.optimizer_step import UpdateMetrics, clip_and_step, metrics
 from torch_impl.optimizers import OptimizerSpec, make_optimizer
 from torch_impl.partial import PartialAccumulation
@@ -284,7 +290,7 @@ def run_case(case: UpdateCase, wrapped: _Wrapped, rank: int, world_size: int) ->
         # after the step: under FSDP2 one all-gather per update brings both.
         grads = local_grads(model)
         norm, clipped = clip_and_step(model, optimizer, case.max_grad_norm)
-        params = {name.rsplit(".", 1)[-1]: p.detach() for name, p in model.named_parameters()}
+        params = local_params(model)
         whole = numpy_full({**{f"grads.{k}": v for k, v in grads.items()}, **params})
         record = None
         if accumulated is not None:
