@@ -22,6 +22,7 @@ from torch_impl.batch import BATCH_KEYS, TokenBatch, rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.harness.cases import UpdateCase, run_cases
 from torch_impl.harness.launcher import LaunchTimeoutError, RankFailedError, launch
+from torch_impl.harness.rank_worker import GLOO_LOOP_NICENESS, GLOO_LOOP_THREAD, GLOO_LOOP_WATCH_S
 from torch_impl.losses import bilinear_token_losses
 from torch_impl.model import BilinearLM
 from torch_impl.optimizers import OptimizerSpec
@@ -237,3 +238,33 @@ def test_preloading_a_module_that_cannot_be_imported_leaves_the_error_to_the_ran
 
 def _imports_broken_probe(rank: int, world_size: int) -> None:
     import broken_probe  # noqa: F401
+
+
+def _gloo_loop_niceness() -> list[int]:
+    """The niceness of every gloo device loop of this process."""
+    values = []
+    for name in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{name}/comm") as comm:
+            if comm.read().strip() == GLOO_LOOP_THREAD:
+                values.append(os.getpriority(os.PRIO_PROCESS, int(name)))
+    return values
+
+
+def _loops_before_and_after_a_subgroup(rank: int, world_size: int) -> tuple[list, list]:
+    import torch.distributed as dist
+
+    before = _gloo_loop_niceness()
+    subgroup = dist.new_group(list(range(world_size)))  # a device, and its loop, of its own
+    dist.barrier(group=subgroup)
+    # The watch looks every GLOO_LOOP_WATCH_S; three of them leave it two full looks.
+    time.sleep(3 * GLOO_LOOP_WATCH_S)
+    return before, _gloo_loop_niceness()
+
+
+def test_every_gloo_device_loop_of_a_rank_runs_at_the_lowest_priority() -> None:
+    """A spinning loop must yield its core (`rank_worker.lower_gloo_loops`): the default group's
+    loop from the start of `fn`, a subgroup's within the watch's interval. None found fails:
+    the pinned torch's gloo no longer names its loop so, and the ranks spin again."""
+    for before, after in launch(_loops_before_and_after_a_subgroup, 2, timeout_s=120):
+        assert before and set(before) == {GLOO_LOOP_NICENESS}, before
+        assert len(after) > len(before) and set(after) == {GLOO_LOOP_NICENESS}, after

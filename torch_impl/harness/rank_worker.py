@@ -116,6 +116,60 @@ class _RankSlot:
         return True
 
 
+#: The name the pinned torch's gloo gives each process group's device loop: the thread that
+#: reads all of the group's sockets (gloo/transport/tcp/loop.cc).
+GLOO_LOOP_THREAD = "gloo_tcp_loop"
+#: The lowest priority; any process may give it to its own threads.
+GLOO_LOOP_NICENESS = 19
+#: How often a rank looks for the loops of process groups made after its first (a subgroup, a
+#: device mesh's): every group starts one of its own.
+GLOO_LOOP_WATCH_S = 0.2
+
+
+def lower_gloo_loops() -> int:
+    """Give every gloo device loop of this process the lowest priority; how many it lowered.
+
+    A loop that cannot take a message yet leaves it in the socket and calls ``epoll_wait``
+    again, which returns at once (level-triggered): gloo's `Pair::handleEvents`
+    (gloo/transport/tcp/pair.cc L643-655 at gloo cc441984) gives up when another thread holds
+    the pair's lock, and a message for a buffer not yet posted waits the same way. The loop
+    spins until that other thread has run. With more ranks than cores that thread is often
+    waiting for a core, and the loop spends its whole time slice spinning. At the lowest
+    priority a spinning loop gives its core up to any other thread; alone on a core it runs
+    as before. Nothing a collective computes changes. Measured (`perf stat`, 1000 all-reduces
+    of 8 float64 over 4 ranks on 2 cores): 14.4 million ``epoll_wait`` calls, 6.0 s of wall
+    and 7.7 s of CPU before; 5.7 million, 3.8 s and 4.8 s at niceness 19. Without /proc (not
+    Linux) this does nothing.
+    """
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return 0
+    raised = 0
+    for name in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, name, "comm")) as comm:
+                if comm.read().strip() != GLOO_LOOP_THREAD:
+                    continue
+            if os.getpriority(os.PRIO_PROCESS, int(name)) < GLOO_LOOP_NICENESS:
+                os.setpriority(os.PRIO_PROCESS, int(name), GLOO_LOOP_NICENESS)
+                raised += 1
+        except OSError:  # the thread ended while we looked
+            continue
+    return raised
+
+
+def _watch_gloo_loops() -> None:
+    """`lower_gloo_loops` now and, from a daemon thread, every GLOO_LOOP_WATCH_S after."""
+    lower_gloo_loops()
+
+    def watch() -> None:
+        while True:
+            time.sleep(GLOO_LOOP_WATCH_S)
+            lower_gloo_loops()
+
+    threading.Thread(target=watch, name="gloo-loop-watch", daemon=True).start()
+
+
 #: Set in a rank process by `worker`; None elsewhere.
 _slot: _RankSlot | None = None
 
@@ -178,6 +232,7 @@ def worker(
         # which then fails with "Connection closed by peer" (pytorch#61396). Every rank waits
         # here until the whole group is up.
         dist.barrier()
+        _watch_gloo_loops()
         value = fn(rank, world_size, *args)
         outcome: tuple[bool, Any, str] = (True, value, "")
     except BaseException:
