@@ -119,14 +119,20 @@ def mesh_sweep(
     return sweep_from(replicated, num_configs, place)
 
 
-def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
+def make_shard_map_sweep(
+    configs: Sequence[StepConfig],
+    mesh: Mesh,
+    compile_with: Callable[[Callable], Callable] | None = None,
+) -> SweepFn:
     """sweep(params per config, batch) -> one ReducedGradients per config.
 
     All configs run side by side in one jitted shard_map program (one compile per batch
     shape for a harness comparing schemes and strategies). `batch` is [R, M, B, T]: a numpy batch is
     placed with `shard_batch`; an already placed (e.g. multi-process global) array passes
     through. Per-rank metrics come back as [R] arrays sharded over the mesh; everything else
-    is replicated.
+    is replicated. `compile_with`, when given, wraps the jitted program: how it is compiled
+    (a multi-process worker has one process compile it for all,
+    `jax_impl.harness.multiprocess_worker.CompiledByProcessZero`), not what it computes.
     """
     configs = check_sweep(configs)
     axis = configs[0].axis_name
@@ -156,8 +162,8 @@ def make_shard_map_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
             out_specs=tuple(out_spec for _ in configs),
         )
     )
-
-    return mesh_sweep(mapped, len(configs), mesh, axis, "shard_map gradients")
+    program = mapped if compile_with is None else compile_with(mapped)
+    return mesh_sweep(program, len(configs), mesh, axis, "shard_map gradients")
 
 
 def make_shard_map_gradients(config: StepConfig, mesh: Mesh) -> GradientsFn:

@@ -144,6 +144,11 @@ def test_multiprocess_matches_oracle(num_processes: int, tmp_path: Path) -> None
     # the others: every process holds the shared programs (the results below are theirs).
     shared = [int(out["shared_programs"]) for out in outputs]
     assert min(shared) > 0 and len(set(shared)) == 1, f"programs shared per process: {shared}"
+    # The spec sweeps: process 0 traced and compiled them, the others loaded them untraced
+    # (`CompiledByProcessZero`), every one of them the same number.
+    loaded = {int(out["rank"]): int(out["loaded_programs"]) for out in outputs}
+    others = {loaded[rank] for rank in range(1, num_processes)}
+    assert loaded[0] == 0 and len(others) == 1 and min(others) > 0, f"loaded: {loaded}"
     records = {dtype: [] for dtype in DTYPES}
     for index, (name, R, M) in enumerate(cases):
         for dtype in DTYPES:

@@ -127,15 +127,89 @@ def share_compiled_programs(wait_s: int = SHARED_PROGRAM_WAIT_S) -> bool:
     compiler._get_cache_key = shared_program_key
     jax.config.update("jax_share_binary_between_hosts", True)
     jax.config.update("jax_share_binary_between_hosts_timeout_ms", wait_s * 1000)
+    global _SHARING
+    _SHARING = True
     return True
+
+
+#: Whether `share_compiled_programs` turned sharing on in this process: then `compute_spec`
+#: has process 0 alone trace its sweeps too (`CompiledByProcessZero`).
+_SHARING = False
 
 
 def shared_program_count() -> int:
     """How many programs this process compiled and published (process 0) or loaded from
-    process 0 (the others): what jax's sharing holds, 0 when nothing was shared."""
+    process 0 (the others): what jax's sharing holds, and the sweeps `CompiledByProcessZero`
+    shared (jax's sharing never sees those: process 0 compiles them ahead of time); 0 when
+    nothing was shared."""
     from jax._src import compiler
 
-    return len(getattr(getattr(compiler, "_compile_and_share_module", None), "modules_cache", {}))
+    held = getattr(getattr(compiler, "_compile_and_share_module", None), "modules_cache", {})
+    return len(held) + CompiledByProcessZero.called
+
+
+class CompiledByProcessZero:
+    """A jitted program of every process of the job that only process 0 traces, lowers and
+    compiles; every other process loads its binary without tracing the program at all.
+
+    jax's own sharing (`share_compiled_programs`) saves the other processes the compile only:
+    each still traces and lowers the program to compute the key it waits for, and for the
+    spec sweeps that is most of what such a process does (a sweep's trace and lowering cost
+    as much as its compile). Here the key is what every process knows before tracing: the
+    order in which the job's programs are first called, which an SPMD job keeps the same in
+    every process (each waits in the other's collectives otherwise), and the arguments'
+    shapes, dtypes and shardings, which name a mismatch if the order ever differed. Process 0
+    publishes ``jax.experimental.serialize_executable.serialize`` of its compiled program
+    through jax.distributed's key-value store; the others ``deserialize_and_load`` it. Every
+    process runs process 0's binary, as with jax's sharing: the results are the same bits.
+    """
+
+    #: Programs first called in this process so far (the next one's place in the job's order).
+    called = 0
+    #: Programs this process loaded from process 0 (`shared_program_count`).
+    loaded = 0
+
+    def __init__(self, jitted: Any, wait_s: int = SHARED_PROGRAM_WAIT_S) -> None:
+        self._jitted = jitted
+        self._wait_ms = wait_s * 1000
+        self._compiled: dict[str, Any] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree.flatten(args)
+        signature = f"{tree}|" + "|".join(
+            f"{leaf.shape}{leaf.dtype}{getattr(leaf, 'sharding', None)}" for leaf in leaves
+        )
+        compiled = self._compiled.get(signature)
+        if compiled is None:
+            compiled = self._compiled[signature] = self._share(signature, args)
+        return compiled(*args)
+
+    def _share(self, signature: str, args: tuple) -> Any:
+        from jax._src import config, distributed
+        from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+        order = CompiledByProcessZero.called
+        CompiledByProcessZero.called += 1
+        digest = hashlib.sha256(signature.encode()).hexdigest()
+        key = f"gradweight-sweep-{order}-{digest}"
+        client = distributed.global_state.client
+        if jax.process_index() == 0:
+            # Not published a second time by jax's own sharing, which no process reads.
+            with config.share_binary_between_hosts(False):
+                compiled = self._jitted.lower(*args).compile()
+            client.key_value_set_bytes(key, pickle.dumps(serialize(compiled)))
+            return compiled
+        try:
+            published = client.blocking_key_value_get_bytes(key, self._wait_ms)
+        except Exception as error:  # jax.errors.JaxRuntimeError: DEADLINE_EXCEEDED
+            raise RuntimeError(
+                f"process {jax.process_index()}: process 0 published no program {order} "
+                f"with these arguments within {self._wait_ms // 1000} s (it failed, or the "
+                f"processes called their programs in another order): {signature[:300]}"
+            ) from error
+        payload, in_tree, out_tree = pickle.loads(published)
+        CompiledByProcessZero.loaded += 1
+        return deserialize_and_load(payload, in_tree, out_tree)
 
 
 def global_data_mesh() -> tuple[Mesh, list[jax.Device]]:
@@ -260,7 +334,9 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
                     )
                 )
                 labels.append(label)
-        sweep = make_shard_map_sweep(configs, mesh)
+        sweep = make_shard_map_sweep(
+            configs, mesh, compile_with=CompiledByProcessZero if _SHARING else None
+        )
         for case_index in case_indices:
             case = spec["cases"][case_index]
             with np.load(case["fixture"], allow_pickle=False) as archive:
@@ -287,6 +363,7 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
                 )  # fmt: skip
     for _, results in records:
         results["shared_programs"] = np.asarray(shared_program_count())
+        results["loaded_programs"] = np.asarray(CompiledByProcessZero.loaded)
     return [results for _, results in records]
 
 
