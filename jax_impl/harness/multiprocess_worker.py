@@ -78,7 +78,8 @@ def initialize(
     """Join the job: gloo CPU collectives, then ``jax.distributed.initialize`` with timeouts.
 
     Then `share_compiled_programs`: process 0 compiles each program that spans the
-    processes, the others load its binary.
+    processes, the others load its binary (and the spec sweeps process 0 alone traces too,
+    `CompiledByProcessZero`).
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
