@@ -108,6 +108,11 @@ def shared_program_key(options: Any, backend: Any, computation: Any, devices: An
     return f"gradweight-shared-{digest.hexdigest()}"
 
 
+#: Whether `share_compiled_programs` turned sharing on in this process: then `compute_spec`
+#: has process 0 alone trace its sweeps too (`CompiledByProcessZero`).
+_SHARING = False
+
+
 def share_compiled_programs(wait_s: int = SHARED_PROGRAM_WAIT_S) -> bool:
     """Compile every program that spans the processes once, in process 0, and hand the
     binary to the others through jax.distributed's key-value store; whether it is on.
@@ -133,11 +138,6 @@ def share_compiled_programs(wait_s: int = SHARED_PROGRAM_WAIT_S) -> bool:
     return True
 
 
-#: Whether `share_compiled_programs` turned sharing on in this process: then `compute_spec`
-#: has process 0 alone trace its sweeps too (`CompiledByProcessZero`).
-_SHARING = False
-
-
 def shared_program_count() -> int:
     """How many programs this process compiled and published (process 0) or loaded from
     process 0 (the others): what jax's sharing holds, and the sweeps `CompiledByProcessZero`
@@ -156,7 +156,7 @@ class CompiledByProcessZero:
     jax's own sharing (`share_compiled_programs`) saves the other processes the compile only:
     each still traces and lowers the program to compute the key it waits for, and for the
     spec sweeps that is most of what such a process does (a sweep's trace and lowering cost
-    as much as its compile). Here the key is what every process knows before tracing: the
+    more than its compile). Here the key is what every process knows before tracing: the
     order in which the job's programs are first called, which an SPMD job keeps the same in
     every process (each waits in the other's collectives otherwise), and the arguments'
     shapes, dtypes and shardings, which name a mismatch if the order ever differed. Process 0

@@ -144,7 +144,7 @@ def lower_gloo_loops() -> int:
     tasks = "/proc/self/task"
     if not os.path.isdir(tasks):
         return 0
-    raised = 0
+    lowered = 0
     for name in os.listdir(tasks):
         try:
             with open(os.path.join(tasks, name, "comm")) as comm:
@@ -152,10 +152,10 @@ def lower_gloo_loops() -> int:
                     continue
             if os.getpriority(os.PRIO_PROCESS, int(name)) < GLOO_LOOP_NICENESS:
                 os.setpriority(os.PRIO_PROCESS, int(name), GLOO_LOOP_NICENESS)
-                raised += 1
+                lowered += 1
         except OSError:  # the thread ended while we looked
             continue
-    return raised
+    return lowered
 
 
 def _watch_gloo_loops() -> None:
