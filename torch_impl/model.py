@@ -164,7 +164,6 @@ def numpy_full(tensors: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     all-gathered, all of them in one collective where they are row-sharded as FSDP2 shards
     them, else one ``full_tensor`` each)."""
     sharded = {key: t for key, t in tensors.items() if _is_dtensor(t)}
-    out = {}
     if sharded and _row_sharded(sharded):
         out = _gather_rows(sharded)
     else:
