@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import jax
@@ -279,12 +279,18 @@ def check_global_configs(configs: Sequence[StepConfig]) -> tuple[StepConfig, ...
     return configs
 
 
-def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
+def make_global_sweep(
+    configs: Sequence[StepConfig],
+    mesh: Mesh,
+    compile_with: Callable[[Callable], Callable] | None = None,
+) -> SweepFn:
     """sweep(params per config, batch [R, M, B, T]) -> one ReducedGradients per config.
 
     The batch's rank axis is sharded over the mesh's only axis; R must equal the mesh size.
     A config asking for pmean, a reduction factor or a replaced per-rank gradient is refused:
-    there is no collective here for them to act on.
+    there is no collective here for them to act on. `compile_with`, when given, wraps the
+    jitted program: how it is compiled, not what it computes (as in
+    `jax_impl.shard_map_step.make_shard_map_sweep`).
     """
     configs = check_global_configs(configs)
     (axis,) = mesh.axis_names
@@ -293,8 +299,8 @@ def make_global_sweep(configs: Sequence[StepConfig], mesh: Mesh) -> SweepFn:
         return tuple(global_sweep(configs, params, batch, axis))
 
     jitted = jax.jit(all_configs)
-
-    return mesh_sweep(jitted, len(configs), auto_mesh(mesh), axis, "global-view jit gradients")
+    program = jitted if compile_with is None else compile_with(jitted)
+    return mesh_sweep(program, len(configs), auto_mesh(mesh), axis, "global-view jit gradients")
 
 
 def auto_mesh(mesh: Mesh) -> Mesh:

@@ -175,3 +175,29 @@ def test_property_intended_gradient_is_layout_invariant(case, scheme):
     assert tree_rel_err(result.grads, reference.grads).max_rel_err <= FLOAT64_RTOL
     assert np.isfinite(result.loss)
     assert result.no_valid_tokens == (not np.any(reference.token_weights))
+
+
+def test_shared_token_terms_are_computed_once_per_value_and_read_only():
+    """loss_and_grad shares l_t and e_t between calls with equal params and batch (every
+    scheme and layout of a fixture's first update): by value, never by object, and never
+    between different values, however close."""
+    from crosscheck.contract.oracle import _shared_token_terms, token_terms
+
+    fixture = builtin_fixture("packed")
+    params = fixture.params()
+    shared = _shared_token_terms(
+        {k: v.copy() for k, v in params.items()}, fixture.inputs.copy(), fixture.targets.copy()
+    )
+    assert _shared_token_terms(params, fixture.inputs, fixture.targets) is shared
+    fresh_terms = token_terms(params, fixture.inputs, fixture.targets)
+    for fresh, kept in zip(fresh_terms, shared, strict=True):
+        assert np.array_equal(fresh, kept)
+        assert not kept.flags.writeable
+    nudged = {**params, "embed": params["embed"].copy()}
+    nudged["embed"][0, 0] = np.nextafter(nudged["embed"][0, 0], np.inf)
+    other = _shared_token_terms(nudged, fixture.inputs, fixture.targets)
+    assert other is not shared
+    assert np.array_equal(other.errors, token_terms(nudged, fixture.inputs, fixture.targets).errors)
+    relabelled = fixture.targets.copy()
+    relabelled[0, 1] = -100 if relabelled[0, 1] != -100 else 1
+    assert _shared_token_terms(params, fixture.inputs, relabelled) is not shared

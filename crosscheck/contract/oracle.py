@@ -21,7 +21,9 @@ No autodiff: the tests check this against central finite differences of the loss
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -58,6 +60,36 @@ def token_terms(params: Params, inputs: np.ndarray, targets: np.ndarray) -> Toke
     np.put_along_axis(onehot, safe_targets[..., None], 1.0, axis=-1)
     errors = np.where(valid[..., None], probs - onehot, 0.0)
     return TokenTerms(losses, errors)
+
+
+#: How many (params, batch) pairs `_shared_token_terms` keeps: an update's first step on one
+#: fixture is shared by every scheme and layout run on it; later steps' params are new.
+_TOKEN_TERMS_KEPT = 16
+_token_terms_kept: OrderedDict[bytes, TokenTerms] = OrderedDict()
+
+
+def _shared_token_terms(params: Params, inputs: np.ndarray, targets: np.ndarray) -> TokenTerms:
+    """`token_terms`, computed once per distinct (params, inputs, targets) among the last
+    `_TOKEN_TERMS_KEPT`: keyed by a digest of their dtypes, shapes and bytes, so equal
+    values share a result whatever objects hold them. The arrays returned are read-only:
+    callers share them."""
+    digest = hashlib.blake2b(digest_size=32)
+    for name, array in [*sorted(params.items()), ("inputs", inputs), ("targets", targets)]:
+        array = np.ascontiguousarray(array)
+        digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+        digest.update(array.tobytes())
+    key = digest.digest()
+    terms = _token_terms_kept.get(key)
+    if terms is None:
+        terms = token_terms(params, inputs, targets)
+        for array in terms:
+            array.setflags(write=False)
+        _token_terms_kept[key] = terms
+        if len(_token_terms_kept) > _TOKEN_TERMS_KEPT:
+            _token_terms_kept.popitem(last=False)
+    else:
+        _token_terms_kept.move_to_end(key)
+    return terms
 
 
 def weighted_loss(params: Params, inputs: np.ndarray, targets: np.ndarray, c: np.ndarray) -> float:
@@ -142,7 +174,7 @@ def loss_and_grad(
     batch = fixture.layout(world_size, accum_steps, context_size, context_order)
     weights = batch.to_global(scheme.effective_weights(batch))
     denominator = scheme.global_denominator(batch)
-    terms = token_terms(params, fixture.inputs, fixture.targets)
+    terms = _shared_token_terms(params, fixture.inputs, fixture.targets)
     loss = math.fsum((weights * terms.losses).ravel().tolist())
     grads = _grad_from_errors(params, fixture.inputs, terms.errors, weights)
     no_valid = not np.any(weights)

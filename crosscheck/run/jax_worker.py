@@ -57,9 +57,12 @@ def placed_sweep(impl: str, configs: list, world_size: int) -> tuple[Callable, C
         device = jax_impl.require_devices(world_size)[0]
         sweep = jax_impl.make_pmap_sweep(configs, world_size)
         return sweep, lambda batch, params: (batch, jax.device_put(params, device))
+    from jax_impl.harness.traced_once import TracedOnce
+
     mesh = jax_impl.data_mesh(world_size)
     make = jax_impl.make_shard_map_sweep if impl == "jax-shard_map" else jax_impl.make_global_sweep
-    return make(configs, mesh), lambda batch, params: (
+    # Traced once for every fixture and layout of the sweep, compiled per batch shape.
+    return make(configs, mesh, compile_with=TracedOnce), lambda batch, params: (
         jax_impl.shard_batch(batch, mesh),
         jax_impl.replicate(params, mesh),
     )

@@ -35,6 +35,8 @@ WORKER_TIMEOUT_S = 300.0
 
 def run_cases(job: dict) -> dict[ObjectiveCase, ObjectiveOutput | str]:
     """In the worker: every case of the job; a failing case gets its traceback."""
+    import jax
+
     import jax_impl
     from jax_impl.objective import make_objective_fn
 
@@ -54,17 +56,19 @@ def run_cases(job: dict) -> dict[ObjectiveCase, ObjectiveOutput | str]:
             batch = jax_impl.lay_out_global_batch(
                 arrays, R, M, vocab_size=fixture.vocab_size, **space
             )
-            out = programs[key](objective_params(fixture), batch)
+            # On the host first: indexing a jax array would compile a small program per
+            # shape and index kind (gathers, slices) in every worker.
+            out = jax.tree.map(np.asarray, programs[key](objective_params(fixture), batch))
             names = [term_name(t) for t in OBJECTIVES[case.objective]]
             results[case] = ObjectiveOutput(
-                grads={k: np.asarray(v) for k, v in out.grads.items()},
+                grads=out.grads,
                 loss=float(out.loss),
                 terms=tuple(
                     TermOutput(
                         name,
                         float(out.term_losses[i]),
                         int(out.term_counts[i]),
-                        tuple(float(d) for d in np.asarray(out.term_denominators[i])),
+                        tuple(float(d) for d in out.term_denominators[i]),
                     )
                     for i, name in enumerate(names)
                 ),
