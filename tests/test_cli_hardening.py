@@ -670,6 +670,7 @@ class _Interrupted(NamedTuple):
     out: str
     err: str
     left: list[tuple[int, str]]  # the marked processes still running after the exit
+    files_left: list[str]  # the CLI's zygote logs still in the temporary directory after it
 
 
 def _interrupt_cli(
@@ -719,11 +720,16 @@ def _interrupt_cli(
             proc.kill()
             proc.communicate()
         _kill_marked(marker)
-    return _Interrupted(running, took, proc.returncode, out, err, left)
+    # A zygote's log is named after the process that started it; empty, it is removed when
+    # the zygote is closed, interrupted or not.
+    logs = Path(tempfile.gettempdir()).glob(f"gradweight-zygote-*-{proc.pid}.log")
+    files_left = sorted(path.name for path in logs)
+    return _Interrupted(running, took, proc.returncode, out, err, left, files_left)
 
 
 def _assert_stopped_in_one_line(result: _Interrupted, signum: int) -> None:
-    """Within 5 s, exit 130 and one line on stderr, and nothing marked left running."""
+    """Within 5 s, exit 130 and one line on stderr, nothing marked left running, and no
+    zygote log of the CLI's left behind."""
     assert result.took < 5.0, result.took
     assert result.returncode == exit_codes.INTERRUPTED, result.out + result.err
     name = signal.Signals(signum).name
@@ -733,6 +739,7 @@ def _assert_stopped_in_one_line(result: _Interrupted, signum: int) -> None:
         result.err,
     ), result.err
     assert result.left == [], result.left
+    assert result.files_left == [], result.files_left
 
 
 @pytest.mark.parametrize("settle_s", [0.0, 1.0, 2.0])

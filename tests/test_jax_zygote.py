@@ -10,6 +10,7 @@ status, and a bounded wait (the differences are listed in `crosscheck.launch.zyg
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,38 @@ def test_terminate_all_stops_a_child_of_a_zygote_that_no_launch_registered(tmp_p
     assert not Path(f"/proc/{orphan.pid}").exists() or Path(
         f"/proc/{orphan.pid}/stat"
     ).read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_a_request_whose_folder_is_gone_exits_quietly(tmp_path):
+    """A request that reaches the zygote after its client removed the log folder (an
+    interrupt, between the request and the fork) has nobody to report to: the child exits 1
+    without a traceback in the zygote's log, which stays empty and is removed on close."""
+    log = tmp_path / "log"
+    zygote = Zygote(["zygote_probe"], zygote_env(), log)
+    gone = tmp_path / "gone"
+    try:
+        child = zygote.spawn(
+            "zygote_probe",
+            ["0", "0.0"],
+            env=zygote_env(),
+            cwd=None,
+            stdout=gone / "worker0.out",
+            stderr=gone / "worker0.err",
+        )
+        # Its exit status would go to the gone folder too: wait for the zygote to reap it.
+        deadline = time.monotonic() + 30
+        while _alive(child.pid):
+            assert time.monotonic() < deadline, "the child is still running after 30 s"
+            time.sleep(0.05)
+        assert log.read_bytes() == b""
+    finally:
+        zygote.close()
+    assert not log.exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -31,13 +31,14 @@ import this module, and none of them may pay for more.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import NoReturn, Protocol
@@ -376,6 +377,18 @@ def handle_signals(prog: str = "crosscheck") -> Iterator[Interruption]:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)  # type: ignore[arg-type]
 
 
+#: What `close_at_exit` was given, for `exit_bounded` to run where it ends with ``os._exit``.
+_closers: list[Callable[[], None]] = []
+
+
+def close_at_exit(close: Callable[[], None]) -> None:
+    """Run `close` (a zygote's: it removes its empty log and its folder) when this process
+    exits: at interpreter exit, and also before `exit_bounded`'s ``os._exit``, which skips
+    atexit. `close` must be idempotent and bounded in time."""
+    _closers.append(close)
+    atexit.register(close)
+
+
 def exit_bounded(code: int, wait_s: float = THREAD_WAIT_S) -> NoReturn:
     """Exit with `code` in bounded time, whatever worker threads still do.
 
@@ -398,6 +411,9 @@ def exit_bounded(code: int, wait_s: float = THREAD_WAIT_S) -> NoReturn:
         terminate_all(grace_s=FINAL_GRACE_S)
     terminate_all(grace_s=FINAL_GRACE_S)
     if any(t.is_alive() for t in running()):
+        for close in reversed(_closers):  # what atexit would have run: files left behind
+            with contextlib.suppress(Exception):
+                close()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

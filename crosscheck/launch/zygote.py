@@ -48,7 +48,6 @@ The standard library only, like `crosscheck.launch.processes`.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -198,9 +197,11 @@ class Zygote:
         processes.register_group(self._process, server=True)
         try:
             ready = self._read_reply(_ready_timeout_s)
-        except Exception as error:
+        except BaseException as error:
             self._process.kill()  # it may still be importing: not worth a graceful wait
-            self.close()
+            self.close()  # its log, when empty, and its folder go with it
+            if not isinstance(error, Exception):
+                raise  # an interrupt (Ctrl-C while it imports): the command ends as asked
             raise ZygoteError(f"the zygote did not start: {error}") from error
         if ready.get("ready") is not True:
             self.close()
@@ -407,5 +408,5 @@ def shared_zygote(preload: Sequence[str], env: Mapping[str, str]) -> Zygote | No
             _shared[key] = (None, MAX_ZYGOTE_STARTS)  # one that failed to start would again
             return None
         _shared[key] = (zygote, starts + 1)
-        atexit.register(zygote.close)
+        processes.close_at_exit(zygote.close)
         return zygote

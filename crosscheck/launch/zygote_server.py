@@ -47,8 +47,17 @@ def _child(request: dict) -> None:
         with contextlib.suppress(OSError):
             os.setsid()
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
-        os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+        try:
+            out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            if os.path.isdir(os.path.dirname(request["stdout"]) or "."):
+                raise
+            # Its log folder is gone: the client stopped waiting (an interrupt removed it
+            # between the request and the fork), and nobody will read a traceback here.
+            os._exit(code)
+        os.dup2(out, 1)
+        os.dup2(err, 2)
         os.environ.clear()
         os.environ.update(request["env"])
         if request["cwd"]:
