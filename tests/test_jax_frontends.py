@@ -32,6 +32,7 @@ from jax_matrix import (
 )
 
 from crosscheck import builtin_fixture
+from crosscheck.launch.workers import SMALL_PROGRAM_JAX_CONFIG
 from jax_impl.harness.multiprocess import launch_multiprocess, variant_name
 
 IN_PROCESS = ("pmap", "shard_map", "jit")
@@ -128,10 +129,14 @@ def process_history(out: dict[str, np.ndarray], key: str) -> list[dict]:
 
 
 @pytest.mark.timeout(MULTIPROCESS_TIMEOUT_S + 60)
-@pytest.mark.parametrize("num_processes", [2, 4])
-def test_multiprocess_matches_oracle(num_processes: int, tmp_path: Path) -> None:
-    """Real processes (jax.distributed, gloo), one rank each; bounded by the launcher."""
+@pytest.mark.parametrize(("num_processes", "gspmd"), [(2, True), (4, False)])
+def test_multiprocess_matches_oracle(num_processes: int, gspmd: bool, tmp_path: Path) -> None:
+    """Real processes (jax.distributed, gloo), one rank each; bounded by the launcher. With
+    `gspmd`, under the settings `crosscheck run` gives its launches (``jax_config``: Shardy
+    off), where process 0 traces each sweep once for every batch shape; else jax's default."""
     spec, cases = multiprocess_spec(num_processes, tmp_path)
+    if gspmd:
+        spec["jax_config"] = [list(setting) for setting in SMALL_PROGRAM_JAX_CONFIG]
     outputs = launch_multiprocess(
         spec,
         num_processes,
@@ -149,6 +154,13 @@ def test_multiprocess_matches_oracle(num_processes: int, tmp_path: Path) -> None
     loaded = {int(out["rank"]): int(out["loaded_programs"]) for out in outputs}
     others = {loaded[rank] for rank in range(1, num_processes)}
     assert loaded[0] == 0 and len(others) == 1 and min(others) > 0, f"loaded: {loaded}"
+    # One export per sweep and dtype, by process 0 alone, for more compiled shapes than that.
+    traced = {int(out["rank"]): int(out["traced_sweeps"]) for out in outputs}
+    others_traced = {traced[rank] for rank in range(1, num_processes)}
+    if gspmd:
+        assert 0 < traced[0] < min(others) and others_traced == {0}, f"traced: {traced}"
+    else:
+        assert set(traced.values()) == {0}, f"traced under Shardy: {traced}"
     records = {dtype: [] for dtype in DTYPES}
     for index, (name, R, M) in enumerate(cases):
         for dtype in DTYPES:

@@ -83,8 +83,9 @@ def test_processes_of_two_devices_give_the_ranks_of_one_device_processes(tmp_pat
     assert len(four) == len(paired) == 4
     for rank, (one, two) in enumerate(zip(four, paired, strict=True)):
         assert one.keys() == two.keys(), rank
-        for key in one.keys() - {"loaded_programs"}:  # its process's, not the rank's: rank 1
-            # is process 1 of four (it loads the sweeps) and process 0 of two (it compiles them)
+        # loaded_programs and traced_sweeps are its process's, not the rank's: rank 1 is
+        # process 1 of four (it loads the sweeps) and process 0 of two (it compiles them).
+        for key in one.keys() - {"loaded_programs", "traced_sweeps"}:
             np.testing.assert_array_equal(one[key], two[key], err_msg=f"rank {rank} {key}")
 
 

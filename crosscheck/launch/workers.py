@@ -76,15 +76,18 @@ SMALL_PROGRAM_XLA_FLAGS = (
     "--xla_cpu_parallel_codegen_split_count=1"
 )
 #: jax.config settings for the in-process workers (eight fake devices in one process), set
-#: by each before it traces anything (`crosscheck.launch.workers.serve_job`): the GSPMD
-#: partitioner instead of Shardy. Their programs are shard_map, pmap (a shard_map in this
-#: jax) and global jit over a 1-D data mesh; Shardy's propagation passes were a fifth of XLA's
-#: compile time there (shard_map at R = 2: 6.8 s -> 5.5 s of compile per worker), and the
-#: results are bit-identical (every case of every in-process front-end at R = 1, 2, 4,
-#: compared bit for bit). Not for the `jax.distributed` processes: there GSPMD's programs
-#: compiled as fast but ran slower (the multi-process launches took 58 s instead of 40 s of
-#: wall on 2 cores). Not for a user's own step (`crosscheck verify`) either: that runs as its
-#: author configured it.
+#: by each before it traces anything (`crosscheck.launch.workers.serve_job`), and for the
+#: processes of the multi-process launches (their spec's ``jax_config``): the GSPMD
+#: partitioner instead of Shardy. Their programs are shard_map, pmap (a shard_map in this jax)
+#: and global jit over a 1-D data mesh; Shardy's propagation passes were a fifth of XLA's
+#: compile time there (shard_map at R = 2: 6.8 s -> 5.5 s of compile per worker), the results
+#: are bit-identical (every case of every in-process front-end at R = 1, 2, 4, compared bit for
+#: bit), and under GSPMD a sweep is traced once for every batch shape
+#: (`jax_impl.harness.traced_once`; jaxlib 0.10.2 crashes doing that under Shardy). An earlier
+#: measurement had the multi-process programs run slower under GSPMD (58 s instead of 40 s of
+#: wall); with their sweeps traced once the family now takes less wall and CPU than under
+#: Shardy, every row the same (docs/performance.md). Not for a user's own step (`crosscheck
+#: verify`): that runs as its author configured it.
 SMALL_PROGRAM_JAX_CONFIG: tuple[tuple[str, bool], ...] = (("jax_use_shardy_partitioner", False),)
 
 

@@ -26,7 +26,12 @@ from crosscheck.contract.schemes import SCHEMES as V1_SCHEMES
 from crosscheck.contract.schemes import resolve_scheme
 from crosscheck.fixtures.builtin import builtin_fixture
 from crosscheck.launch.schedule import Job
-from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS, report_jax_job, worker_zygote
+from crosscheck.launch.workers import (
+    SMALL_PROGRAM_JAX_CONFIG,
+    SMALL_PROGRAM_XLA_FLAGS,
+    report_jax_job,
+    worker_zygote,
+)
 from crosscheck.run.jax_worker import id_space
 
 OnDone = Callable[[Case, CaseOutput | BaseException], None]
@@ -170,6 +175,7 @@ def _run_multiprocess(
             "optimizer": settings.optimizer_spec(),
             "num_updates": settings.num_updates,
             "max_grad_norm": settings.max_grad_norm,
+            "jax_config": [list(setting) for setting in SMALL_PROGRAM_JAX_CONFIG],
         }
         try:
             if joined_job():

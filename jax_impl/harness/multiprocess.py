@@ -15,7 +15,10 @@ number of processes), ``dtypes``, ``schemes``, ``variants`` (``[[strategy, colle
 ``num_updates``, ``x64``, optionally ``scheme_specs`` (contract v2 spec dicts, run on the
 cases' rows with their v2 fields, keyed ``spec<k>`` in place of a scheme, all in one
 compiled sweep; ``spec_id_space``, ``{"num_groups": G, "num_documents": D}``, lays every
-fixture out in one id space) and, for tests,
+fixture out in one id space), ``jax_config`` (``[[name, value]]``: ``jax.config`` settings
+each launched process makes before it traces anything; the harness turns Shardy off, so that
+its sweeps are traced once for every batch shape, `jax_impl.harness.traced_once`) and, for
+tests,
 ``fail_process`` (that process exits with 3 right after joining) and ``stall_process`` (that
 process blocks for an hour after its first update's gradients, having written its pid to
 ``process<i>.stalled``: a test kills it there).

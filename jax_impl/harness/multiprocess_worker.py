@@ -37,6 +37,7 @@ from crosscheck.launch.worker_processes import write_atomically
 from jax_impl.batch import Batch, lay_out_global_batch, rank_slice
 from jax_impl.denominators import denominator_dtype
 from jax_impl.harness.multiprocess import PORT_TAKEN_EXIT, variant_name
+from jax_impl.harness.traced_once import TracedOnce
 from jax_impl.model import Params, params_from_numpy
 from jax_impl.shard_map_step import (
     data_mesh,
@@ -213,6 +214,25 @@ class CompiledByProcessZero:
         return deserialize_and_load(payload, in_tree, out_tree)
 
 
+#: Every sweep program of this process (`traced_sweeps` counts their exports).
+_SWEEPS: list[TracedOnce] = []
+
+
+def _sweep_program(jitted: Any) -> Any:
+    """How a spec sweep's program is compiled: traced once for every batch shape
+    (`TracedOnce`, under GSPMD: the spec's ``jax_config`` may turn Shardy off), and where
+    sharing is on, traced and compiled by process 0 alone (`CompiledByProcessZero`)."""
+    traced = TracedOnce(jitted)
+    _SWEEPS.append(traced)
+    return CompiledByProcessZero(traced) if _SHARING else traced
+
+
+def traced_sweeps() -> int:
+    """How many sweeps this process traced through an export (0 under Shardy, and in every
+    process but 0 where sharing is on: those load process 0's binaries untraced)."""
+    return sum(sweep.traces for sweep in _SWEEPS)
+
+
 def global_data_mesh() -> tuple[Mesh, list[jax.Device]]:
     """The "data" mesh over every process's devices, process by process, and this process's
     own devices in rank order: rank r is the r-th device of the mesh, so that a process's ranks
@@ -335,9 +355,7 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
                     )
                 )
                 labels.append(label)
-        sweep = make_shard_map_sweep(
-            configs, mesh, compile_with=CompiledByProcessZero if _SHARING else None
-        )
+        sweep = make_shard_map_sweep(configs, mesh, compile_with=_sweep_program)
         for case_index in case_indices:
             case = spec["cases"][case_index]
             with np.load(case["fixture"], allow_pickle=False) as archive:
@@ -365,6 +383,7 @@ def compute_spec(spec: Mapping[str, Any], stall: Path | None = None) -> list[dic
     for _, results in records:
         results["shared_programs"] = np.asarray(shared_program_count())
         results["loaded_programs"] = np.asarray(CompiledByProcessZero.loaded)
+        results["traced_sweeps"] = np.asarray(traced_sweeps())
     return [results for _, results in records]
 
 
@@ -381,6 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # x64 is global and must be set before any array exists; float32 cases stay float32
     # because every array they use is cast to float32 explicitly.
     jax.config.update("jax_enable_x64", bool(spec.get("x64", False)))
+    for name, value in spec.get("jax_config", []):
+        jax.config.update(name, value)
     if args.process_id == 0:
         taken = check_coordinator_port(args.coordinator)
         if taken:

@@ -43,8 +43,8 @@ class TracedOnce:
     Only under the GSPMD partitioner (``jax_use_shardy_partitioner`` off, as the harness's
     in-process workers run, `crosscheck.launch.workers.SMALL_PROGRAM_JAX_CONFIG`): with Shardy
     on, jaxlib 0.10.2 crashes (SIGSEGV in ``mlir.refine_polymorphic_shapes``) refining such a
-    module, so there every shape is traced as ``jax.jit`` traces it. `traces` counts the
-    exports, for the tests.
+    module, so there every shape is traced as ``jax.jit`` traces it. Called like `jitted`, or
+    lowered like it (`lower`); `traces` counts the exports, for the tests.
     """
 
     def __init__(self, jitted: Any) -> None:
@@ -53,13 +53,23 @@ class TracedOnce:
         self.traces = 0
 
     def __call__(self, params: Any, batch: Any) -> Any:
+        return self._program(params, batch)(params, batch)
+
+    def lower(self, params: Any, batch: Any) -> Any:
+        """The program for these arguments' shapes, lowered as ``jitted.lower`` lowers it
+        (`jax_impl.harness.multiprocess_worker.CompiledByProcessZero` compiles it)."""
+        return self._program(params, batch).lower(params, batch)
+
+    def _program(self, params: Any, batch: Any) -> Any:
+        """The jitted call of the export for the arguments' kind, exported at its first use;
+        `jitted` itself under Shardy."""
         if jax.config.jax_use_shardy_partitioner:
-            return self._jitted(params, batch)
+            return self._jitted
         kind = _kind(params, batch)
         program = self._programs.get(kind)
         if program is None:
             program = self._programs[kind] = self._export(params, batch)
-        return program(params, batch)
+        return program
 
     def _export(self, params: Any, batch: Any) -> Any:
         """The jitted call of an export for these arguments' kind (jit then compiles it
