@@ -11,10 +11,12 @@ a ``lax.scan`` over M, and K = R M is formed from the shape. So it is traced and
 with M, B and T as ``jax.export`` dimension variables; each concrete shape refines that
 module and compiles it (XLA needs static shapes), with jit's cache per shape as before.
 
-What runs is the same program: the refined module compiles to the same computation, and
-every case of the shard_map and global-jit workers gave the same bits both ways (compared
-leaf by leaf over the whole default matrix, docs/performance.md). How a program is
-compiled, not what it computes, like `jax_impl.harness.multiprocess_worker.CompiledByProcessZero`.
+What runs computes the same thing, though not as the same text: XLA sees the refined shapes
+later than jit's lowering would give them, and a global jit's partitioner may place a
+collective differently. Every case of the shard_map, global-jit and multi-process rows of the
+default matrix gave the same bits both ways (compared over the whole `--json`,
+docs/performance.md). How a program is compiled, not what it computes, like
+`jax_impl.harness.multiprocess_worker.CompiledByProcessZero`.
 """
 
 from __future__ import annotations
