@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from child_env import zygote_env
 
+from crosscheck.launch.processes import pid_alive
 from crosscheck.launch.worker_processes import LaunchError, run_workers
 from crosscheck.launch.zygote import Zygote, ZygoteError
 
@@ -152,18 +153,10 @@ def test_a_request_whose_folder_is_gone_exits_quietly(tmp_path):
         )
         # Its exit status would go to the gone folder too: wait for the zygote to reap it.
         deadline = time.monotonic() + 30
-        while _alive(child.pid):
+        while pid_alive(child.pid):
             assert time.monotonic() < deadline, "the child is still running after 30 s"
             time.sleep(0.05)
         assert log.read_bytes() == b""
     finally:
         zygote.close()
     assert not log.exists()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
