@@ -53,6 +53,9 @@ def test_forked_workers_see_their_own_flags_argv_env_and_cwd(zygote, tmp_path):
     assert all(Path(r["cwd"]) == tmp_path for r in reports)
     # Forked by the zygote, not started by this process.
     assert all(r["ppid"] != os.getpid() for r in reports)
+    # What the zygote imported is frozen out of the collector's sight (its JAX alone is far
+    # more than 10,000 objects).
+    assert all(r["frozen"] > 10_000 for r in reports)
     assert "probe exiting with 0" in results[0].stderr_tail()
 
 

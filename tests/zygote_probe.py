@@ -1,9 +1,11 @@
 """A worker for tests/test_jax_zygote.py: report what the process sees, exit as told.
 
 ``python -m zygote_probe EXIT_CODE [SLEEP_S]`` prints one JSON line (device count, argv, the
-GW_PROBE variable, pid and parent pid), writes a line to stderr, sleeps, and exits.
+GW_PROBE variable, pid and parent pid, the objects frozen out of the garbage collector's sight),
+writes a line to stderr, sleeps, and exits.
 """
 
+import gc
 import json
 import os
 import sys
@@ -20,6 +22,7 @@ if __name__ == "__main__":
         "cwd": os.getcwd(),
         "pid": os.getpid(),
         "ppid": os.getppid(),
+        "frozen": gc.get_freeze_count(),
     }
     print(json.dumps(report), flush=True)
     print(f"probe exiting with {code}", file=sys.stderr, flush=True)

@@ -86,6 +86,17 @@ def microbatch_loss(
     carry bf16's error. `per_token_losses` runs the model (default: the bilinear model).
     """
     batch.validate(vocab_size)
+    return validated_microbatch_loss(model, batch, weights, per_token_losses)
+
+
+def validated_microbatch_loss(
+    model: nn.Module,
+    batch: TokenBatch,
+    weights: torch.Tensor,
+    per_token_losses: PerTokenLosses = bilinear_token_losses,
+) -> MicrobatchLoss:
+    """`microbatch_loss` of a batch its caller validated already (``batch.validate``, as the
+    update loops' pre-check does for every microbatch of an update before any collective)."""
     losses = per_token_losses(model, batch)
     acc = accumulation_dtype(losses.device)
     weights = weights.to(device=losses.device, dtype=acc)

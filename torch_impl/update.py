@@ -84,7 +84,7 @@ from torch_impl.guards import (
     rank_of,
 )
 from torch_impl.guards import RankMismatchError as RankMismatchError
-from torch_impl.losses import PerTokenLosses, bilinear_token_losses, microbatch_loss
+from torch_impl.losses import PerTokenLosses, bilinear_token_losses, validated_microbatch_loss
 from torch_impl.partial import PartialAccumulation, ResumeMismatchError, Strategy, starting_point
 from torch_impl.spec import SchemeSpec, get_spec
 from torch_impl.spec_counts import IdBounds, Position, SpecView
@@ -332,6 +332,7 @@ def backward_microbatches(
     scale: float | None = None,
     hook_state: PostnormState | None = None,
     per_token_losses: PerTokenLosses = bilinear_token_losses,
+    validated: bool = False,
 ) -> PartialAccumulation:
     """Forward and backward microbatches [start.microbatches_done, stop) and add their sums
     (`stop` None: through the update's last microbatch).
@@ -340,17 +341,22 @@ def backward_microbatches(
     weighted sum (precount's s / D; None: unnormalized, postnorm). For postnorm the hook is
     armed with this rank's totals over all M microbatches just before that last backward.
     `per_token_losses` runs the model on a microbatch (``torch_impl.losses.PerTokenLosses``).
+    `validated`: the caller validated every microbatch already (the pre-check, `precheck`);
+    else they are validated here, all of them before the first forward.
     """
+    last = len(microbatches) - 1
+    stop = len(microbatches) if stop is None else stop
+    if not validated:
+        for batch in microbatches[start.microbatches_done : stop]:
+            batch.validate(vocab_size)
     # Python floats (float64) and ints: the running sums of d and of the loss never take the
     # params' dtype; postnorm's hook then carries them exactly in any bucket dtype.
     d, loss, valid = start.local_denominator, start.local_loss_sum, start.local_valid_tokens
-    last = len(microbatches) - 1
-    stop = len(microbatches) if stop is None else stop
     for step in range(start.microbatches_done, stop):
         where = f"rank {rank_of(microbatches, step)}, microbatch {step}"
         with sync_context(model, step == last):
-            out = microbatch_loss(
-                model, microbatches[step], plan.weights[step], vocab_size, per_token_losses
+            out = validated_microbatch_loss(
+                model, microbatches[step], plan.weights[step], per_token_losses
             )
             loss_value = float(out.weighted_sum.detach())
             if not math.isfinite(loss_value):
@@ -426,7 +432,7 @@ def accumulate_precount(
     )
     done = backward_microbatches(
         model, microbatches, plan, vocab_size, start,
-        scale=over_or_zero(reduce_factor, D), per_token_losses=per_token_losses,
+        scale=over_or_zero(reduce_factor, D), per_token_losses=per_token_losses, validated=True,
     )  # fmt: skip
     # Metrics only (the objective's value); a loop that does not log it can skip this.
     if _distributed():
@@ -464,7 +470,7 @@ def accumulate_postnorm(
     )
     backward_microbatches(
         model, microbatches, plan, vocab_size, start,
-        hook_state=hook_state, per_token_losses=per_token_losses,
+        hook_state=hook_state, per_token_losses=per_token_losses, validated=True,
     )  # fmt: skip
     per_rank = hook_state.take()
     D = plan.denominator([d for d, _, _ in per_rank])
@@ -518,8 +524,9 @@ def accumulate_partial(
     else:
         raise ValueError(f"strategy must be 'precount' or 'postnorm', got {strategy!r}")
     return backward_microbatches(
-        model, microbatches, plan, vocab_size, start, stop=num_microbatches, scale=scale
-    )
+        model, microbatches, plan, vocab_size, start, stop=num_microbatches, scale=scale,
+        validated=True,
+    )  # fmt: skip
 
 
 def layout_plans(
