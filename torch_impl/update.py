@@ -325,14 +325,12 @@ def backward_microbatches(
     model: nn.Module,
     microbatches: Sequence[TokenBatch],
     plan: UpdatePlan,
-    vocab_size: int,
     start: PartialAccumulation,
     *,
     stop: int | None = None,
     scale: float | None = None,
     hook_state: PostnormState | None = None,
     per_token_losses: PerTokenLosses = bilinear_token_losses,
-    validated: bool = False,
 ) -> PartialAccumulation:
     """Forward and backward microbatches [start.microbatches_done, stop) and add their sums
     (`stop` None: through the update's last microbatch).
@@ -341,17 +339,14 @@ def backward_microbatches(
     weighted sum (precount's s / D; None: unnormalized, postnorm). For postnorm the hook is
     armed with this rank's totals over all M microbatches just before that last backward.
     `per_token_losses` runs the model on a microbatch (``torch_impl.losses.PerTokenLosses``).
-    `validated`: the caller validated every microbatch already (the pre-check, `precheck`);
-    else they are validated here, all of them before the first forward.
+    Every microbatch was validated by the caller's pre-check (`precheck`, which each
+    ``accumulate_*`` runs first), so none is validated again here.
     """
-    last = len(microbatches) - 1
-    stop = len(microbatches) if stop is None else stop
-    if not validated:
-        for batch in microbatches[start.microbatches_done : stop]:
-            batch.validate(vocab_size)
     # Python floats (float64) and ints: the running sums of d and of the loss never take the
     # params' dtype; postnorm's hook then carries them exactly in any bucket dtype.
     d, loss, valid = start.local_denominator, start.local_loss_sum, start.local_valid_tokens
+    last = len(microbatches) - 1
+    stop = len(microbatches) if stop is None else stop
     for step in range(start.microbatches_done, stop):
         where = f"rank {rank_of(microbatches, step)}, microbatch {step}"
         with sync_context(model, step == last):
@@ -431,8 +426,8 @@ def accumulate_precount(
         spec, microbatches, start, group=group, id_bounds=id_bounds, timeout_s=precheck_timeout_s
     )
     done = backward_microbatches(
-        model, microbatches, plan, vocab_size, start,
-        scale=over_or_zero(reduce_factor, D), per_token_losses=per_token_losses, validated=True,
+        model, microbatches, plan, start,
+        scale=over_or_zero(reduce_factor, D), per_token_losses=per_token_losses,
     )  # fmt: skip
     # Metrics only (the objective's value); a loop that does not log it can skip this.
     if _distributed():
@@ -469,8 +464,8 @@ def accumulate_postnorm(
         spec, microbatches, group=group, id_bounds=id_bounds, timeout_s=precheck_timeout_s
     )
     backward_microbatches(
-        model, microbatches, plan, vocab_size, start,
-        hook_state=hook_state, per_token_losses=per_token_losses, validated=True,
+        model, microbatches, plan, start,
+        hook_state=hook_state, per_token_losses=per_token_losses,
     )  # fmt: skip
     per_rank = hook_state.take()
     D = plan.denominator([d for d, _, _ in per_rank])
@@ -524,9 +519,8 @@ def accumulate_partial(
     else:
         raise ValueError(f"strategy must be 'precount' or 'postnorm', got {strategy!r}")
     return backward_microbatches(
-        model, microbatches, plan, vocab_size, start, stop=num_microbatches, scale=scale,
-        validated=True,
-    )  # fmt: skip
+        model, microbatches, plan, start, stop=num_microbatches, scale=scale
+    )
 
 
 def layout_plans(
