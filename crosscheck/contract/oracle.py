@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -66,6 +67,9 @@ def token_terms(params: Params, inputs: np.ndarray, targets: np.ndarray) -> Toke
 #: fixture is shared by every scheme and layout run on it; later steps' params are new.
 _TOKEN_TERMS_KEPT = 16
 _token_terms_kept: OrderedDict[bytes, TokenTerms] = OrderedDict()
+#: `crosscheck run` judges rows on several threads at once: one thread's eviction between
+#: another's lookup and its move to the end would raise KeyError there.
+_token_terms_lock = threading.Lock()
 
 
 def _shared_token_terms(params: Params, inputs: np.ndarray, targets: np.ndarray) -> TokenTerms:
@@ -79,16 +83,19 @@ def _shared_token_terms(params: Params, inputs: np.ndarray, targets: np.ndarray)
         digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
         digest.update(array.tobytes())
     key = digest.digest()
-    terms = _token_terms_kept.get(key)
-    if terms is None:
-        terms = token_terms(params, inputs, targets)
-        for array in terms:
-            array.setflags(write=False)
+    with _token_terms_lock:
+        terms = _token_terms_kept.get(key)
+        if terms is not None:
+            _token_terms_kept.move_to_end(key)
+            return terms
+    # Computed outside the lock: two threads may compute the same value, never a wrong one.
+    terms = token_terms(params, inputs, targets)
+    for array in terms:
+        array.setflags(write=False)
+    with _token_terms_lock:
         _token_terms_kept[key] = terms
         if len(_token_terms_kept) > _TOKEN_TERMS_KEPT:
             _token_terms_kept.popitem(last=False)
-    else:
-        _token_terms_kept.move_to_end(key)
     return terms
 
 
