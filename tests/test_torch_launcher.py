@@ -268,3 +268,28 @@ def test_every_gloo_device_loop_of_a_rank_runs_at_the_lowest_priority() -> None:
     for before, after in launch(_loops_before_and_after_a_subgroup, 2, timeout_s=120):
         assert before and set(before) == {GLOO_LOOP_NICENESS}, before
         assert len(after) > len(before) and set(after) == {GLOO_LOOP_NICENESS}, after
+
+
+def _affinities(rank: int, world_size: int) -> tuple[list[int], list[list[int]]]:
+    """The cores this rank's main thread and each of its gloo device loops may run on."""
+    loops = []
+    for name in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{name}/comm") as comm:
+            if comm.read().strip() == GLOO_LOOP_THREAD:
+                loops.append(sorted(os.sched_getaffinity(int(name))))
+    return sorted(os.sched_getaffinity(0)), loops
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_ranks_that_fill_the_cores_are_pinned_one_core_each_gloo_loops_included(
+    world_size: int,
+) -> None:
+    """`rank_worker.bind_to_core`: with at least as many ranks as cores, rank r and every thread
+    it starts (gloo's loop among them) run on core r mod n only; with fewer, anywhere (several
+    small groups pinned alike would crowd the first cores)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = launch(_affinities, world_size, timeout_s=120)
+    for rank, (main_thread, loops) in enumerate(per_rank):
+        expected = [cores[rank % len(cores)]] if world_size >= len(cores) else cores
+        assert main_thread == expected, (rank, main_thread)
+        assert loops and all(loop == expected for loop in loops), (rank, loops)

@@ -43,15 +43,18 @@ class JobTiming:
 
 
 def default_capacity() -> int:
-    """Processes to run at once: two per core this process may use, plus one.
+    """Processes to run at once: one per core this process may use, plus one.
 
-    Workers spend part of their time waiting (process start, collectives, file I/O), so some
-    oversubscription keeps the cores busy, and the one extra lets a single-process job run
-    beside a 4-rank group on 2 cores, filling what the group's waits leave idle. Measured on
-    2 cores, the default matrix took 68 s with 4, 63 s with 5 and 63 s with 6 processes.
+    Workers spend part of their time waiting (process start, collectives, file I/O), so one
+    process more than the cores keeps them busy; each process beyond that only takes turns on
+    a core, and the turns cost CPU: caches refilled after every switch, a rank's gloo loop
+    spinning while the peer it waits for has no core. Measured on 2 cores (the default matrix,
+    farm-bench, 3 runs of each in turn): 3 processes used 0.925 of the CPU of 5 (128.7 s
+    against 139.1 s) for 1.02 of the wall (76.1 s against 74.6 s); 4 used 1.045 of the CPU of
+    3 for 0.98 of its wall. A group wider than this runs alone (`run_jobs`).
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return 2 * (cores or 1) + 1
+    return (cores or 1) + 1
 
 
 def run_jobs(jobs: Sequence[Job], capacity: int | None = None) -> list[JobTiming]:

@@ -158,6 +158,33 @@ def lower_gloo_loops() -> int:
     return lowered
 
 
+def bind_to_core(rank: int, world_size: int) -> int | None:
+    """With at least as many ranks as this process may use cores, pin rank r (every thread and
+    process it starts afterwards, gloo's threads included) to core r mod n of the n allowed;
+    the core, or None where nothing is pinned (fewer ranks than cores, no
+    ``sched_setaffinity``).
+
+    Every core then holds the same number of ranks, give or take one, and so does it for
+    every other group of this size started beside this one: the group spans them all. With
+    fewer ranks than cores nothing is pinned, since several small groups pinned alike would
+    crowd the first cores. Why: a rank's gloo loop spins while the thread it waits for has no
+    core (`lower_gloo_loops`); on the loop's own core, at the lowest priority, the spin gives
+    way to that thread at once, where an unpinned thread may wait on another core. Nothing a
+    collective computes changes. Measured (1000 all-reduces of 8 float64 over 4 ranks on 2
+    cores, the loops at niceness 19): 2.6 ms of wall and 3.7 ms of CPU per all-reduce
+    unpinned, 1.0 ms and 1.7 ms pinned. (The bench, which runs alone, also gives each rank
+    cores of its own where there are enough: `crosscheck.bench.torch_bench.pin_to_own_cores`.)
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if world_size < len(cores):
+        return None
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
 def _watch_gloo_loops() -> None:
     """`lower_gloo_loops` now and, from a daemon thread, every GLOO_LOOP_WATCH_S after."""
     lower_gloo_loops()
@@ -212,6 +239,8 @@ def worker(
     slot = _slot = _RankSlot(rank, workdir)
     # Several ranks share few cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
+    if device == "cpu":
+        bind_to_core(rank, world_size)  # before gloo starts its threads, which inherit it
     try:
         fn, args = read_job(workdir)
         if device == "cuda":
