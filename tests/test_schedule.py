@@ -1,11 +1,11 @@
 """The harness's job scheduler: costliest first, within a process budget, nothing lost."""
 
-import os
 import threading
 import time
 
 import pytest
 
+from crosscheck.launch.processes import usable_cores
 from crosscheck.launch.schedule import Job, default_capacity, run_jobs
 
 
@@ -72,5 +72,4 @@ def test_a_failing_job_is_raised_after_the_others_finished():
 def test_capacity_must_be_positive_and_defaults_to_the_cores():
     with pytest.raises(ValueError, match="capacity"):
         run_jobs([], capacity=0)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert default_capacity() == (cores or 1) + 1  # 3 on the 2-core CI machine
+    assert default_capacity() == len(usable_cores()) + 1  # 3 on the 2-core CI machine

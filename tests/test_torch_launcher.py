@@ -18,6 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from crosscheck import builtin_fixture
+from crosscheck.launch.processes import usable_cores
 from torch_impl.batch import BATCH_KEYS, TokenBatch, rank_microbatches
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.harness.cases import UpdateCase, run_cases
@@ -288,7 +289,7 @@ def test_ranks_that_fill_the_cores_are_pinned_one_core_each_gloo_loops_included(
     it starts (gloo's loop among them) run on core r mod n only; with fewer, anywhere (several
     small groups pinned alike would crowd the first cores). A one-rank group has no peer to
     connect to and may have no loop running yet; a group of two or more has one per rank."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     per_rank = launch(_affinities, world_size, timeout_s=120)
     for rank, (main_thread, loops) in enumerate(per_rank):
         expected = [cores[rank % len(cores)]] if world_size >= len(cores) else cores

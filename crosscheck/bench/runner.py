@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crosscheck.bench.config import BenchConfig
+from crosscheck.launch.processes import usable_cores
 from crosscheck.launch.worker_processes import LaunchError, process_env, run_workers
 from crosscheck.launch.workers import SMALL_PROGRAM_XLA_FLAGS
 from crosscheck.run.implementations import not_installed
@@ -73,8 +74,7 @@ def check_devices(config: BenchConfig) -> None:
 
 def _threads_per_rank(ranks: int) -> int:
     """The cores this process may use, shared out between the ranks (at least one each)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // ranks)
+    return max(1, len(usable_cores()) // ranks)
 
 
 def run_torch(config: BenchConfig) -> FrameworkRun:

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from crosscheck.bench.checks import float64_tree, refusals
 from crosscheck.bench.config import IGNORE_INDEX, BenchConfig, packed_batch
 from crosscheck.bench.memory import peak_rss_delta, rss_supported
+from crosscheck.launch.processes import usable_cores
 from torch_impl.comm_hooks import PostnormState, sum_and_carry_hook
 from torch_impl.division import divide_all_exactly
 from torch_impl.transformer import TinyTransformer, token_losses
@@ -231,7 +232,7 @@ def pin_to_own_cores(rank: int, world_size: int, threads: int) -> None:
     its scatter narrowed). With fewer cores than ranks x threads, nothing is pinned."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     if len(cores) >= world_size * threads:
         os.sched_setaffinity(0, cores[rank * threads : (rank + 1) * threads])
 

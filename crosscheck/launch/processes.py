@@ -419,3 +419,12 @@ def exit_bounded(code: int, wait_s: float = THREAD_WAIT_S) -> NoReturn:
                 stream.flush()
         os._exit(code)
     sys.exit(code)
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on, in order (a cgroup or taskset may give fewer than
+    the machine's); where the platform cannot say (no ``sched_getaffinity``), the first
+    ``os.cpu_count()``. Never empty."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))

@@ -15,11 +15,12 @@ every collective, so two 4-rank groups sharing 2 cores stall each other at every
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from crosscheck.launch.processes import usable_cores
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,7 @@ def default_capacity() -> int:
     against 139.1 s) for 1.02 of the wall (76.1 s against 74.6 s); 4 used 1.045 of the CPU of
     3 for 0.98 of its wall. A group wider than this runs alone (`run_jobs`).
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) + 1
+    return len(usable_cores()) + 1
 
 
 def run_jobs(jobs: Sequence[Job], capacity: int | None = None) -> list[JobTiming]:

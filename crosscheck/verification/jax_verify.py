@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from crosscheck.fixtures.builtin import builtin_fixture
+from crosscheck.launch.processes import usable_cores
 from crosscheck.launch.worker_processes import run_workers
 from crosscheck.launch.workers import jax_worker_env, worker_zygote
 from crosscheck.verification.protocol import StepError, VerifyJob, VerifyOutput
@@ -217,9 +218,7 @@ def _shares(jobs: list[VerifyJob], platform: str | None) -> list[list[VerifyJob]
         rows, width = builtin_fixture(job.fixture).targets.shape
         key = (rows, width, job.layout, job.dtype, job.row_fields)
         by_shape.setdefault(key, []).append(job)
-    # The cores this process may run on (a cgroup or taskset may give fewer than the machine's).
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
+    cores = len(usable_cores())
     workers = 1 if (platform or "cpu") != "cpu" else min(MAX_WORKERS, cores)
     workers = max(1, min(workers, len(by_shape) // MIN_SHAPES_PER_WORKER))
     shares: list[list[VerifyJob]] = [[] for _ in range(workers)]

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from crosscheck.launch.processes import usable_cores
 from crosscheck.launch.worker_processes import write_atomically
 
 #: The job every rank reads (`write_job`).
@@ -175,9 +176,9 @@ def bind_to_core(rank: int, world_size: int) -> int | None:
     unpinned, 1.0 ms and 1.7 ms pinned. (The bench, which runs alone, also gives each rank
     cores of its own where there are enough: `crosscheck.bench.torch_bench.pin_to_own_cores`.)
     """
-    if not hasattr(os, "sched_getaffinity"):
+    if not hasattr(os, "sched_setaffinity"):
         return None
-    cores = sorted(os.sched_getaffinity(0))
+    cores = usable_cores()
     if world_size < len(cores):
         return None
     core = cores[rank % len(cores)]
